@@ -1,0 +1,43 @@
+# The handful of commands a newcomer needs. Each target creates/reuses .venv and
+# installs everything pdx needs on a machine that only has Python 3.11.
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.pdx-installed
+# torch first, pinned: the CPU build; an unpinned torch may pull a multi-GB CUDA build.
+TORCH  ?= torch==2.13.0
+
+.PHONY: install demo test lint typecheck unit proto bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet "$(TORCH)"
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/pdx measure-kv --preset llama-3.1-70b --seq 1024,8192,32768 --qps 20 --link-gbps 100
+
+lint: $(STAMP)
+	$(BIN)/ruff check pdx tests benchmarks loadtests
+	$(BIN)/ruff format --check pdx tests benchmarks loadtests
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -ra
+
+test: lint typecheck unit
+
+proto: $(STAMP)
+	$(BIN)/python scripts/gen_proto.py
+
+bench: $(STAMP)
+	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache

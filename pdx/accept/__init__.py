@@ -1,0 +1,1 @@
+"""Acceptance: playbook schema, orchestration, criteria, reports."""

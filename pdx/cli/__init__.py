@@ -1,0 +1,1 @@
+"""Command-line interface: one thin typer module per command group."""

@@ -1,0 +1,81 @@
+"""The ``pdx`` command: registers each command group and maps errors to exit codes once."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import click
+import typer
+from typer.core import TyperGroup
+
+from pdx import __version__
+from pdx.errors import PdxError
+
+
+class PdxGroup(TyperGroup):
+    """Top-level group: any :class:`PdxError` becomes one line on stderr and its exit code."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except PdxError as exc:
+            click.echo(f"error: {exc}", err=True)
+            raise click.exceptions.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            raise click.exceptions.Exit(130) from None
+
+
+app = typer.Typer(
+    cls=PdxGroup,
+    help="Prefill/decode disaggregation across datacenters: measure, probe, deploy, break, accept.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"pdx {__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="Print the version."
+    ),
+) -> None:
+    """pdx: prefill/decode disaggregation across datacenters, measured and proven."""
+
+
+def _register() -> None:
+    """Attach every command module. Each module exposes ``register(app)``."""
+    import importlib
+
+    for name in (
+        "measure_kv",
+        "probe",
+        "faults",
+        "simulate",
+        "kv",
+        "deploy",
+        "accept",
+    ):
+        try:
+            module = importlib.import_module(f"pdx.cli.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name == f"pdx.cli.{name}":
+                continue  # that command group is not part of this build
+            raise
+        module.register(app)
+
+
+_register()
+
+
+def main() -> None:
+    """Console-script entry point."""
+    sys.exit(app())

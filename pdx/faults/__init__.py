@@ -1,0 +1,1 @@
+"""Fault injection: userspace TCP/UDP proxy, kernel shaping between namespaces, control API."""

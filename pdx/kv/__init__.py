@@ -1,0 +1,1 @@
+"""KV cache: specs per attention family, empirical measurement, codecs, bandwidth budget."""

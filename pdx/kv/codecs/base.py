@@ -1,0 +1,107 @@
+"""Codec base class, header framing and the registry."""
+
+from __future__ import annotations
+
+import json
+import struct
+from abc import ABC, abstractmethod
+from typing import Any, ClassVar, Literal
+
+import torch
+
+from pdx.errors import InputError
+
+Role = Literal["key", "value", "other"]
+
+_MAGIC = b"PDXC"
+_HEADER = struct.Struct("<4sI")  # magic, json-length
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "int32": torch.int32,
+    "int64": torch.int64,
+}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` → ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return _DTYPES[name]
+    except KeyError:
+        raise InputError("dtype", name, f"one of {', '.join(sorted(_DTYPES))}") from None
+
+
+def pack(meta: dict[str, Any], *payloads: bytes | memoryview) -> bytes:
+    """Frame a JSON header and payload buffers into one bytes object."""
+    head = json.dumps(meta, separators=(",", ":")).encode()
+    return b"".join((_HEADER.pack(_MAGIC, len(head)), head, *payloads))
+
+
+def unpack(data: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
+    """Split framed bytes into (header, payload view). Raises InputError on garbage."""
+    view = memoryview(data)
+    if len(view) < _HEADER.size:
+        raise InputError("codec payload", f"{len(view)} bytes", "a framed codec payload")
+    magic, head_len = _HEADER.unpack_from(view)
+    if magic != _MAGIC or _HEADER.size + head_len > len(view):
+        raise InputError("codec payload", "bad header", "a framed codec payload")
+    meta = json.loads(bytes(view[_HEADER.size : _HEADER.size + head_len]))
+    return meta, view[_HEADER.size + head_len :]
+
+
+class KVCodec(ABC):
+    """Encode one KV tensor to self-describing bytes and back.
+
+    ``role`` tells lossy codecs how to group scales (KIVI-style: keys per channel,
+    values per token); lossless codecs ignore it.
+    """
+
+    name: ClassVar[str]
+    lossless: ClassVar[bool]
+
+    @abstractmethod
+    def encode(self, x: torch.Tensor, role: Role = "value") -> bytes:
+        """Tensor → framed bytes (see :func:`pack`)."""
+
+    @abstractmethod
+    def decode(self, data: bytes | memoryview) -> torch.Tensor:
+        """Framed bytes → tensor with the original shape and dtype."""
+
+
+_REGISTRY: dict[str, type[KVCodec]] = {}
+
+
+def register_codec(cls: type[KVCodec]) -> type[KVCodec]:
+    """Class decorator: make a codec available by its ``name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    # Importing the module registers the built-in codecs (kept out of import time).
+    import pdx.kv.codecs.builtin  # noqa: F401
+
+
+def codec_names() -> list[str]:
+    """Names of every registered codec, in registration order."""
+    _load_builtin()
+    return list(_REGISTRY)
+
+
+def get_codec(name: str) -> KVCodec:
+    """A codec instance by name; unknown names are an InputError listing the valid ones."""
+    _load_builtin()
+    try:
+        return _REGISTRY[name]()
+    except KeyError:
+        raise InputError("codec", name, f"one of {', '.join(_REGISTRY)}") from None

@@ -1,0 +1,1 @@
+"""Link probing: probe server and client, statistics, verdict rules."""

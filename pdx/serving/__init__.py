@@ -1,0 +1,1 @@
+"""Serving: contract types, KV store, transfer, prefill, decode, router, gateway, backends."""
