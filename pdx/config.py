@@ -7,6 +7,7 @@ Each capability defines its own pydantic model; this module turns YAML files and
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 from typing import Any, TypeVar
@@ -74,7 +75,7 @@ def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
             parts.append(int(idx))
             rest = rest.lstrip("[")
     node: Any = data
-    for key, nxt in zip(parts, parts[1:], strict=False):
+    for key, nxt in itertools.pairwise(parts):
         if isinstance(key, int):
             node = node[key]
         else:
@@ -94,7 +95,7 @@ def parse_override(text: str) -> tuple[str, Any]:
 
 
 def env_overrides(prefix: str) -> dict[str, Any]:
-    """``PDX_SIM_LINK_BYTES_PER_S=2e10`` → ``{"link_bytes_per_s": 2e10}`` for prefix ``PDX_SIM_``."""
+    """``PDX_SIM_LINK_BYTES_PER_S=2e10`` → ``{"link_bytes_per_s": 2e10}`` (prefix ``PDX_SIM_``)."""
     out: dict[str, Any] = {}
     for name, raw in os.environ.items():
         if name.startswith(prefix):

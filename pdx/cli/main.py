@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import click
 import typer
 from typer.core import TyperGroup
 
@@ -16,15 +15,15 @@ from pdx.errors import PdxError
 class PdxGroup(TyperGroup):
     """Top-level group: any :class:`PdxError` becomes one line on stderr and its exit code."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: typer.Context) -> Any:
         try:
             return super().invoke(ctx)
         except PdxError as exc:
-            click.echo(f"error: {exc}", err=True)
-            raise click.exceptions.Exit(exc.exit_code) from None
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
-            click.echo("interrupted", err=True)
-            raise click.exceptions.Exit(130) from None
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
 
 
 app = typer.Typer(
