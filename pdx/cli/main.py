@@ -6,6 +6,7 @@ import sys
 from typing import Any
 
 import typer
+from typer._click.core import Context as ClickContext
 from typer.core import TyperGroup
 
 from pdx import __version__
@@ -15,7 +16,7 @@ from pdx.errors import PdxError
 class PdxGroup(TyperGroup):
     """Top-level group: any :class:`PdxError` becomes one line on stderr and its exit code."""
 
-    def invoke(self, ctx: typer.Context) -> Any:
+    def invoke(self, ctx: ClickContext) -> Any:
         try:
             return super().invoke(ctx)
         except PdxError as exc:
