@@ -1,0 +1,278 @@
+"""``pdx probe-server`` and ``pdx probe-link``: measure a link for KV traffic and judge it."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from pdx.cli.output import emit, err_console
+from pdx.errors import InputError
+from pdx.units import KIB, MIB, human_bytes
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
+_FACTORS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": KIB, "KI": KIB, "M": 1000**2}
+_FACTORS |= {"MB": 1000**2, "MIB": MIB, "MI": MIB, "G": 1000**3, "GB": 1000**3}
+_FACTORS |= {"GIB": 1024**3, "GI": 1024**3}
+
+
+def parse_sizes(text: str, field: str = "--chunk-sizes") -> list[int]:
+    """``256KiB,1MiB,4MB,1048576`` into byte counts (KiB/MiB binary, KB/MB decimal)."""
+    sizes = []
+    for part in text.split(","):
+        match = _SIZE.match(part)
+        if not match:
+            raise InputError(field, part, "sizes like 256KiB, 1MiB, 4MB or plain bytes")
+        value = float(match.group(1)) * _FACTORS[(match.group(2) or "").upper()]
+        sizes.append(int(value))
+    if any(s < 1 or s > 64 * MIB for s in sizes):
+        raise InputError(field, text, "every size between 1 byte and 64 MiB")
+    return sizes
+
+
+def _secret(text: str | None) -> bytes | None:
+    return text.encode() if text else None
+
+
+def _check_range(field: str, value: float, low: float, high: float) -> None:
+    if not low <= value <= high:
+        raise InputError(field, value, f"a value between {low:g} and {high:g}")
+
+
+def probe_server(
+    bind: str = typer.Option("127.0.0.1", "--bind", help="Address to listen on (0.0.0.0: all)."),
+    port: int = typer.Option(5301, "--port", help="TCP control/data port (0: any free port)."),
+    udp_port: int | None = typer.Option(
+        None, "--udp-port", help="UDP reflector port (default: the TCP port's number)."
+    ),
+    secret: str | None = typer.Option(
+        None, "--secret", envvar="PDX_PROBE_SECRET", help="Shared secret: HMAC on every message."
+    ),
+    max_test_s: float = typer.Option(60.0, "--max-test-s", help="Longest data test served."),
+    max_sessions: int = typer.Option(64, "--max-sessions", help="Clients served at once."),
+) -> None:
+    """Serve probe-link clients: TCP control and data, UDP reflector. Runs until Ctrl-C."""
+    import asyncio
+
+    from pdx.link.server import ProbeServer, ServerLimits, serve
+
+    _check_range("--port", port, 0, 65535)
+    if udp_port is not None:
+        _check_range("--udp-port", udp_port, 0, 65535)
+    _check_range("--max-test-s", max_test_s, 0.1, 3600)
+    _check_range("--max-sessions", max_sessions, 1, 10_000)
+    limits = ServerLimits(max_test_s=max_test_s, max_sessions=max_sessions)
+    server = ProbeServer(bind, port, udp_port=udp_port, secret=_secret(secret), limits=limits)
+
+    def ready(s: ProbeServer) -> None:
+        auth = "with secret" if s.secret else "no secret"
+        typer.echo(f"probe-server listening on {s.bind} tcp {s.tcp_port} udp {s.udp_port} ({auth})")
+
+    try:
+        asyncio.run(serve(server, ready))
+    except OSError as exc:
+        raise InputError("--port", port, f"a free port on {bind} ({exc.strerror})") from None
+
+
+def probe_link(
+    target: str = typer.Argument(..., help="The probe server, HOST:PORT."),
+    duration: float = typer.Option(5.0, "--duration", help="Seconds per latency/throughput test."),
+    interval_ms: float = typer.Option(10.0, "--interval-ms", help="UDP probe interval."),
+    streams: int = typer.Option(4, "--streams", help="Parallel TCP streams (also runs 1)."),
+    as_json: bool = typer.Option(False, "--json", help="Print the report as JSON."),
+    secret: str | None = typer.Option(
+        None, "--secret", envvar="PDX_PROBE_SECRET", help="Shared secret of the server."
+    ),
+    phases: str = typer.Option(
+        "latency,throughput,loaded,mtu,chunks", "--phases", help="Phases to run."
+    ),
+    omit: float = typer.Option(0.5, "--omit", help="Seconds of slow start left out."),
+    ci_target_pct: float = typer.Option(5.0, "--ci-target-pct", help="Goal ±% of the 95 % CI."),
+    max_duration: float | None = typer.Option(
+        None, "--max-duration", help="Cap per throughput test (default 3x(duration+omit))."
+    ),
+    probe_bytes: int = typer.Option(64, "--probe-bytes", help="UDP probe size."),
+    chunk_sizes: str = typer.Option(
+        "256KiB,1MiB,2MiB,4MiB,8MiB", "--chunk-sizes", help="KV chunk sizes to sweep."
+    ),
+    chunk_seconds: float = typer.Option(1.0, "--chunk-seconds", help="Seconds per chunk size."),
+    chunk_window: int = typer.Option(2, "--chunk-window", help="Chunks in flight."),
+    chunk_transport: str = typer.Option("tcp", "--chunk-transport", help="Chunk transport."),
+    kv_gbps: float | None = typer.Option(None, "--kv-gbps", help="Peak KV demand in Gbps."),
+    kv_report: Path | None = typer.Option(
+        None, "--kv-report", help="A `pdx measure-kv --json` output (with --qps)."
+    ),
+    qps: float | None = typer.Option(None, "--qps", help="Requests/s for --kv-report."),
+    seq: int | None = typer.Option(
+        None, "--seq", help="Row of --kv-report by sequence length (default: largest kv_bytes)."
+    ),
+    kv_direction: str = typer.Option("up", "--kv-direction", help="up, down or both."),
+    ttft_budget_ms: float | None = typer.Option(None, "--ttft-budget-ms", help="TTFT budget."),
+    bandwidth_share: float = typer.Option(0.70, "--bandwidth-share", help="Max KV/bandwidth."),
+    rtt_share: float = typer.Option(0.20, "--rtt-share", help="Max RTT p99/TTFT budget."),
+    max_loss_pct: float = typer.Option(0.1, "--max-loss-pct", help="Max loss, percent."),
+    chunk_share: float = typer.Option(0.15, "--chunk-share", help="Max chunk p99/TTFT budget."),
+    connect_timeout: float = typer.Option(5.0, "--connect-timeout", help="Seconds to connect."),
+) -> None:
+    """Measure bandwidth, RTT, loss, jitter, MTU and KV chunk times; exit 0 GO, 1 NO-GO, 2 error."""
+    from pdx.link.probe import ALL_PHASES, ProbeOptions
+    from pdx.link.probe import probe_link as run_probe
+    from pdx.link.verdict import VerdictRules, kv_demand_from_report
+
+    _check_range("--duration", duration, 0.1, 3600)
+    _check_range("--interval-ms", interval_ms, 0.1, 10_000)
+    _check_range("--streams", streams, 1, 128)
+    _check_range("--omit", omit, 0, 60)
+    _check_range("--ci-target-pct", ci_target_pct, 0.1, 100)
+    _check_range("--probe-bytes", probe_bytes, 64, 65507)
+    _check_range("--chunk-seconds", chunk_seconds, 0.01, 600)
+    _check_range("--chunk-window", chunk_window, 1, 64)
+    for name, share in (("--bandwidth-share", bandwidth_share), ("--rtt-share", rtt_share)):
+        _check_range(name, share, 0.001, 1.0)
+    _check_range("--chunk-share", chunk_share, 0.001, 1.0)
+    _check_range("--max-loss-pct", max_loss_pct, 0, 100)
+    if max_duration is not None:
+        _check_range("--max-duration", max_duration, 0.1, 3600)
+    if ttft_budget_ms is not None:
+        _check_range("--ttft-budget-ms", ttft_budget_ms, 0.001, 3.6e6)
+    if kv_direction not in ("up", "down", "both"):
+        raise InputError("--kv-direction", kv_direction, "one of up, down, both")
+    wanted = [p.strip() for p in phases.split(",") if p.strip()]
+    if not wanted or any(p not in ALL_PHASES for p in wanted):
+        raise InputError("--phases", phases, f"a comma list from {','.join(ALL_PHASES)}")
+    kv_source = None
+    if kv_report is not None:
+        if kv_gbps is not None:
+            raise InputError("--kv-report", str(kv_report), "either --kv-gbps or --kv-report")
+        if qps is None:
+            raise InputError("--qps", None, "a request rate to go with --kv-report")
+        kv_gbps, kv_source = kv_demand_from_report(kv_report, qps, seq)
+    elif kv_gbps is not None:
+        _check_range("--kv-gbps", kv_gbps, 0, 1e6)
+        kv_source = "--kv-gbps"
+    opts = ProbeOptions(
+        target=target,
+        duration_s=duration,
+        interval_ms=interval_ms,
+        streams=streams,
+        secret=_secret(secret),
+        phases=tuple(wanted),
+        probe_bytes=probe_bytes,
+        omit_s=omit,
+        ci_target_pct=ci_target_pct,
+        max_duration_s=max_duration,
+        chunk_sizes=tuple(parse_sizes(chunk_sizes)),
+        chunk_seconds=chunk_seconds,
+        chunk_window=chunk_window,
+        chunk_transport=chunk_transport,
+        connect_timeout_s=connect_timeout,
+        rules=VerdictRules(
+            kv_gbps=kv_gbps,
+            ttft_budget_ms=ttft_budget_ms,
+            bandwidth_share=bandwidth_share,
+            rtt_share=rtt_share,
+            max_loss_pct=max_loss_pct,
+            chunk_share=chunk_share,
+            kv_direction=kv_direction,
+        ),
+        kv_source=kv_source,
+    )
+    progress_console = err_console()
+
+    def progress(phase: str, message: str) -> None:
+        progress_console.print(f"[dim]\\[{phase}][/dim] {message}")
+
+    report = run_probe(opts, progress)
+    emit(report, as_json=as_json, render=render_report)
+    raise typer.Exit(0 if report["verdict"]["go"] else 1)
+
+
+def _fmt(value: Any, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def render_report(console: Console, report: dict[str, Any]) -> None:
+    """Final table: link figures, chunk sweep, verdict."""
+    table = Table(title=f"link to {report['target']}", show_header=True)
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rtt, loaded, loss = report["rtt_ms"], report["rtt_under_load_ms"], report["loss"]
+    if rtt:
+        table.add_row("RTT p50 / p90 / p99 / p99.9 ms", _join(rtt, "p50", "p90", "p99", "p999"))
+        table.add_row(
+            "RTT min / mean / max / stddev ms", _join(rtt, "min", "mean", "max", "stddev")
+        )
+        table.add_row("jitter RFC 3550 ms", _fmt(report["jitter_ms"]["rfc3550"]))
+        table.add_row("IPDV p50 / p99 ms", _join(report["ipdv_ms"], "p50", "p99"))
+    if loss:
+        table.add_row("loss up / down %", f"{loss['up']:.3f} / {loss['down']:.3f}")
+        table.add_row(
+            "probes / bursts / longest / reordered / dup",
+            f"{loss['probes']} / {loss['bursts']} / {loss['max_burst']} / "
+            f"{loss['reordered']} / {loss['duplicated']}",
+        )
+    if report["throughput"]:
+        tp = report["throughput"]
+        table.add_row("goodput up / down Gbps", f"{tp['up_gbps']:.3f} / {tp['down_gbps']:.3f}")
+        state = "" if tp["converged"] else " (not converged)"
+        table.add_row("goodput 95 % CI ±%", f"{tp['ci95_pct']:.1f}{state}")
+    if loaded:
+        table.add_row("RTT under load p50 / p99 ms", _join(loaded, "p50", "p99"))
+    if report["mtu"]:
+        table.add_row("path MTU bytes", str(report["mtu"]))
+    console.print(table)
+    if report["chunks"]:
+        console.print(_chunk_table(report))
+    console.print(_verdict_table(report["verdict"]))
+
+
+def _join(data: dict[str, Any], *keys: str) -> str:
+    return " / ".join(_fmt(data.get(k)) for k in keys)
+
+
+def _chunk_table(report: dict[str, Any]) -> Table:
+    table = Table(title=f"KV chunks over {report['chunk_transport']}")
+    for name in ("chunk", "Gbps", "p50 ms", "p99 ms", "chunks"):
+        table.add_column(name, justify="right")
+    for c in report["chunks"]:
+        mark = " *" if c["chunk_bytes"] == report["chunk_recommended_bytes"] else ""
+        table.add_row(
+            human_bytes(c["chunk_bytes"]) + mark,
+            _fmt(c["gbps"]),
+            _fmt(c["p50_ms"], 2),
+            _fmt(c["p99_ms"], 2),
+            str(c["count"]),
+        )
+    table.caption = "* recommended: smallest size within 90 % of the best goodput"
+    return table
+
+
+def _verdict_table(verdict: dict[str, Any]) -> Table:
+    word = "GO" if verdict["go"] else "NO-GO"
+    table = Table(title=f"verdict: {word}")
+    for name in ("rule", "status", "measured", "threshold", "margin"):
+        table.add_column(name, no_wrap=True)
+    notes = []
+    for r in verdict["rules"]:
+        unit = f" {r['unit']}"
+        table.add_row(
+            r["name"],
+            r["status"].upper(),
+            _fmt(r["measured"]) + unit,
+            _fmt(r["threshold"]) + unit,
+            _fmt(r["margin"]) + unit,
+        )
+        notes.append(f"{r['name']}: {r['detail']}")
+    table.caption = "\n".join(notes)
+    table.caption_justify = "left"
+    return table
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``probe-server`` and ``probe-link`` to the ``pdx`` app."""
+    app.command("probe-server")(probe_server)
+    app.command("probe-link")(probe_link)

@@ -1,0 +1,255 @@
+"""KV chunk sweep: how fast KV-sized messages cross the link, over a pluggable transport.
+
+A :class:`ChunkTransport` sends length-delimited chunks and reports each receiver
+acknowledgement with its arrival time. The sweep keeps ``window`` chunks in flight
+(back-to-back sending), times each chunk from the start of its send to its acknowledgement,
+and recommends the smallest chunk size that reaches 90 % of the best goodput. Plain TCP
+framing through the probe server is the built-in transport; other transports (for example
+the KV gRPC path) register a factory under a name.
+"""
+
+from __future__ import annotations
+
+import abc
+import math
+import os
+import queue
+import socket
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdx.errors import InputError, MeasurementError
+from pdx.link import protocol as proto
+from pdx.link import stats
+from pdx.link.client import FrameConnection, ProbeSession
+from pdx.units import MIB, bytes_per_s_to_gbps
+
+
+@dataclass(frozen=True)
+class ChunkAck:
+    """The receiver confirmed a whole chunk of ``chunk_bytes`` at ``at_s`` (perf_counter)."""
+
+    chunk_bytes: int
+    at_s: float
+
+
+class ChunkTransport(abc.ABC):
+    """A way to move KV chunks to a receiver that acknowledges each one, in order."""
+
+    name = "abstract"
+
+    @abc.abstractmethod
+    def open(self, *, duration_s: float, max_bytes: int) -> None:
+        """Connect; the receiver may stop after ``duration_s`` or ``max_bytes``."""
+
+    @abc.abstractmethod
+    def send_chunk(self, payload: memoryview) -> None:
+        """Send one chunk; may return before it is delivered."""
+
+    @abc.abstractmethod
+    def next_ack(self, timeout_s: float) -> ChunkAck:
+        """Block until the oldest unacknowledged chunk is confirmed."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release the connection."""
+
+
+ChunkTransportFactory = Callable[[ProbeSession], ChunkTransport]
+_TRANSPORTS: dict[str, ChunkTransportFactory] = {}
+
+
+def register_chunk_transport(name: str, factory: ChunkTransportFactory) -> None:
+    """Make a transport available to ``probe-link --chunk-transport NAME``."""
+    _TRANSPORTS[name] = factory
+
+
+def chunk_transport_names() -> list[str]:
+    """Names of the registered chunk transports."""
+    _register_builtins()
+    return sorted(_TRANSPORTS)
+
+
+def get_chunk_transport(name: str) -> ChunkTransportFactory:
+    """Factory of a registered transport, or an :class:`InputError` naming the choices."""
+    _register_builtins()
+    try:
+        return _TRANSPORTS[name]
+    except KeyError:
+        raise InputError("--chunk-transport", name, f"one of {chunk_transport_names()}") from None
+
+
+class TcpChunkTransport(ChunkTransport):
+    """Chunks as ``u64 length | payload`` on a probe-server data connection; acks are ``u64``."""
+
+    name = "tcp"
+
+    def __init__(self, session: ProbeSession) -> None:
+        self.session = session
+        self.conn: FrameConnection | None = None
+        self.acks: queue.Queue[ChunkAck | BaseException] = queue.Queue()
+        self.reader: threading.Thread | None = None
+
+    def open(self, *, duration_s: float, max_bytes: int) -> None:
+        self.conn = self.session.open_data("chunks", duration_s=duration_s, max_bytes=max_bytes)
+        self.conn.sock.settimeout(None)
+        self.conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        # Acks are read and stamped on their own thread so a blocked send never delays them.
+        self.reader = threading.Thread(target=self._read_acks, daemon=True)
+        self.reader.start()
+
+    def _read_acks(self) -> None:
+        assert self.conn is not None
+        sock = self.conn.sock
+        size = proto.CHUNK_HEADER.size
+        try:
+            while True:
+                data = b""
+                while len(data) < size:
+                    piece = sock.recv(size - len(data))
+                    if not piece:
+                        raise MeasurementError("chunk receiver closed the connection")
+                    data += piece
+                (n,) = proto.CHUNK_HEADER.unpack(data)
+                self.acks.put(ChunkAck(n, time.perf_counter()))
+        except (OSError, MeasurementError) as exc:
+            self.acks.put(exc)
+
+    def send_chunk(self, payload: memoryview) -> None:
+        assert self.conn is not None
+        try:
+            self.conn.sock.sendall(proto.CHUNK_HEADER.pack(len(payload)))
+            self.conn.sock.sendall(payload)
+        except OSError as exc:
+            raise MeasurementError(f"chunk send failed: {exc}") from None
+
+    def next_ack(self, timeout_s: float) -> ChunkAck:
+        try:
+            item = self.acks.get(timeout=timeout_s)
+        except queue.Empty:
+            raise MeasurementError(f"no chunk acknowledgement within {timeout_s:.1f} s") from None
+        if isinstance(item, BaseException):
+            raise MeasurementError(f"chunk transfer failed: {item}")
+        return item
+
+    def close(self) -> None:
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
+def _register_builtins() -> None:
+    _TRANSPORTS.setdefault("tcp", TcpChunkTransport)
+
+
+@dataclass
+class ChunkResult:
+    """Goodput and per-chunk time (send start to receiver acknowledgement) for one size."""
+
+    chunk_bytes: int
+    gbps: float
+    p50_ms: float
+    p99_ms: float
+    max_ms: float
+    count: int
+
+
+@dataclass
+class ChunkSweep:
+    """All sizes of a sweep and the recommended size."""
+
+    transport: str
+    window: int
+    chunks: list[ChunkResult]
+    recommended_bytes: int | None
+
+
+def measure_chunk_size(
+    transport: ChunkTransport,
+    payload: memoryview,
+    *,
+    seconds: float,
+    window: int,
+    max_chunks: int,
+    warmup_bytes: int = 2 * MIB,
+) -> ChunkResult:
+    """Send chunks back-to-back for ``seconds`` (at most ``max_chunks``) and time each one."""
+    size = len(payload)
+    warmup = max(1, math.ceil(warmup_bytes / size))
+    budget = warmup + max_chunks
+    transport.open(duration_s=seconds + 30.0, max_bytes=size * budget + 1)
+    try:
+        starts: deque[float] = deque()
+        times_s: list[float] = []
+        first_start = last_ack = 0.0
+        sent = done = 0
+        deadline = math.inf
+        while done < sent or sent == 0 or (sent < budget and time.perf_counter() < deadline):
+            can_send = sent < budget and time.perf_counter() < deadline
+            if can_send and len(starts) < window:
+                now = time.perf_counter()
+                if sent == warmup:
+                    first_start, deadline = now, now + seconds
+                starts.append(now)
+                transport.send_chunk(payload)
+                sent += 1
+                continue
+            ack = transport.next_ack(timeout_s=30.0)
+            started = starts.popleft()
+            if done >= warmup:
+                times_s.append(ack.at_s - started)
+                last_ack = ack.at_s
+            done += 1
+    finally:
+        transport.close()
+    if not times_s:
+        raise MeasurementError(f"no {size}-byte chunk completed after warm-up")
+    elapsed = max(last_ack - first_start, 1e-9)
+    summary = stats.summarize([t * 1e3 for t in times_s])
+    return ChunkResult(
+        chunk_bytes=size,
+        gbps=bytes_per_s_to_gbps(size * len(times_s) / elapsed),
+        p50_ms=summary.p50,
+        p99_ms=summary.p99,
+        max_ms=summary.max,
+        count=len(times_s),
+    )
+
+
+def recommend_chunk(chunks: Sequence[ChunkResult], share: float = 0.9) -> int | None:
+    """Smallest chunk size whose goodput is at least ``share`` of the best size's."""
+    if not chunks:
+        return None
+    best = max(c.gbps for c in chunks)
+    fit = [c.chunk_bytes for c in chunks if c.gbps >= share * best]
+    return min(fit)
+
+
+def run_chunk_sweep(
+    session: ProbeSession,
+    sizes: Sequence[int],
+    *,
+    transport: str = "tcp",
+    seconds: float = 1.0,
+    window: int = 2,
+    max_chunks: int = 400,
+    on_size: Callable[[ChunkResult], None] | None = None,
+) -> ChunkSweep:
+    """Measure every size in ``sizes`` over the named transport."""
+    factory = get_chunk_transport(transport)
+    payload = memoryview(os.urandom(max(sizes)))
+    results = []
+    for size in sizes:
+        result = measure_chunk_size(
+            factory(session),
+            payload[:size],
+            seconds=seconds,
+            window=window,
+            max_chunks=max_chunks,
+        )
+        results.append(result)
+        if on_size is not None:
+            on_size(result)
+    return ChunkSweep(transport, window, results, recommend_chunk(results))

@@ -1,0 +1,292 @@
+"""``probe-link``: run the phases against a probe server and assemble one report."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from pdx.errors import InputError, MeasurementError
+from pdx.link import phases
+from pdx.link.chunks import get_chunk_transport, run_chunk_sweep
+from pdx.link.client import ProbeSession, parse_target
+from pdx.link.stats import summarize
+from pdx.link.verdict import VerdictRules, judge
+from pdx.units import MIB, human_bytes
+
+ALL_PHASES = ("latency", "throughput", "loaded", "mtu", "chunks")
+DEFAULT_CHUNK_SIZES = (256 * 1024, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB)
+
+Progress = Callable[[str, str], None]
+
+
+@dataclass(frozen=True)
+class ProbeOptions:
+    """Everything ``probe-link`` needs, validated at the command line."""
+
+    target: str
+    duration_s: float = 5.0
+    interval_ms: float = 10.0
+    streams: int = 4
+    secret: bytes | None = None
+    phases: Sequence[str] = ALL_PHASES
+    probe_bytes: int = 64
+    omit_s: float = 0.5
+    sample_interval_s: float = 0.1
+    ci_target_pct: float = 5.0
+    max_duration_s: float | None = None
+    max_test_bytes: int = 64 * 1024**3
+    chunk_sizes: Sequence[int] = DEFAULT_CHUNK_SIZES
+    chunk_seconds: float = 1.0
+    chunk_window: int = 2
+    chunk_transport: str = "tcp"
+    connect_timeout_s: float = 5.0
+    rules: VerdictRules = field(default_factory=VerdictRules)
+    kv_source: str | None = None
+
+
+def _quiet(phase: str, message: str) -> None:
+    """Default progress sink: say nothing."""
+
+
+def probe_link(opts: ProbeOptions, progress: Progress = _quiet) -> dict[str, Any]:
+    """Measure the link to ``opts.target`` and judge it; returns the ``--json`` document."""
+    unknown = [p for p in opts.phases if p not in ALL_PHASES]
+    if unknown:
+        raise InputError("--phases", ",".join(unknown), f"a subset of {','.join(ALL_PHASES)}")
+    host, port = parse_target(opts.target)
+    get_chunk_transport(opts.chunk_transport)  # fail on a bad name before measuring anything
+    session = ProbeSession(host, port, opts.secret, opts.connect_timeout_s)
+    report: dict[str, Any] = _empty_report(opts)
+    try:
+        with session.open():
+            _run_phases(session, opts, report, progress)
+    except OSError as exc:  # a socket failure mid-run is a measurement failure, not a bug
+        raise MeasurementError(f"link to {opts.target} failed during the probe: {exc}") from None
+    report["verdict"] = asdict(judge(report, opts.rules))
+    return report
+
+
+def _run_phases(
+    session: ProbeSession, opts: ProbeOptions, report: dict[str, Any], progress: Progress
+) -> None:
+    report["server_version"] = session.server_version
+    if "latency" in opts.phases:
+        _latency_phase(session, opts, report, progress)
+    if "mtu" in opts.phases:
+        _mtu_phase(session, report, progress)
+    if "throughput" in opts.phases:
+        _throughput_phase(session, opts, report, progress)
+    if "chunks" in opts.phases:
+        _chunk_phase(session, opts, report, progress)
+
+
+def _empty_report(opts: ProbeOptions) -> dict[str, Any]:
+    return {
+        "target": opts.target,
+        "server_version": None,
+        "phases": list(opts.phases),
+        "settings": {
+            "duration_s": opts.duration_s,
+            "interval_ms": opts.interval_ms,
+            "streams": opts.streams,
+            "omit_s": opts.omit_s,
+            "sample_interval_s": opts.sample_interval_s,
+            "ci_target_pct": opts.ci_target_pct,
+        },
+        "rtt_ms": None,
+        "jitter_ms": {"rfc3550": None, "rfc3550_under_load": None},
+        "ipdv_ms": None,
+        "loss": None,
+        "throughput": None,
+        "rtt_under_load_ms": None,
+        "mtu": None,
+        "mtu_probe": None,
+        "chunk_transport": opts.chunk_transport,
+        "chunk_window": opts.chunk_window,
+        "chunks": [],
+        "chunk_recommended_bytes": None,
+        "kv_demand": {"gbps": opts.rules.kv_gbps, "source": opts.kv_source},
+        "verdict": None,
+    }
+
+
+def _latency_phase(
+    session: ProbeSession, opts: ProbeOptions, report: dict[str, Any], progress: Progress
+) -> None:
+    progress("latency", f"idle latency: UDP probes every {opts.interval_ms:g} ms")
+    run = phases.run_probes(
+        session,
+        stream=1,
+        duration_s=opts.duration_s,
+        interval_ms=opts.interval_ms,
+        probe_bytes=opts.probe_bytes,
+    )
+    result = phases.summarize_probes(run)
+    report["rtt_ms"] = result.rtt_ms
+    report["jitter_ms"]["rfc3550"] = result.jitter_ms
+    report["ipdv_ms"] = result.ipdv_ms
+    report["loss"] = result.loss
+    progress(
+        "latency",
+        f"RTT p50 {result.rtt_ms['p50']:.3f} ms p99 {result.rtt_ms['p99']:.3f} ms, "
+        f"loss up {result.loss['up']:.3f} % down {result.loss['down']:.3f} %",
+    )
+
+
+def _mtu_phase(session: ProbeSession, report: dict[str, Any], progress: Progress) -> None:
+    progress("mtu", "path MTU: DF-bit binary search")
+    result = phases.discover_mtu(session)
+    report["mtu"] = result.mtu
+    report["mtu_probe"] = asdict(result)
+    progress("mtu", f"path MTU {result.mtu} bytes ({result.probes} probes)")
+
+
+class _LoadedProbes:
+    """UDP probes on their own thread while a throughput run loads the link."""
+
+    def __init__(self, session: ProbeSession, opts: ProbeOptions, stream: int) -> None:
+        self.result: phases.ProbeRun | BaseException | None = None
+        kwargs = {
+            "stream": stream,
+            "duration_s": opts.duration_s + opts.omit_s,
+            "interval_ms": opts.interval_ms,
+            "probe_bytes": opts.probe_bytes,
+        }
+        self.thread = threading.Thread(target=self._run, args=(session, kwargs), daemon=True)
+
+    def _run(self, session: ProbeSession, kwargs: dict[str, Any]) -> None:
+        try:
+            self.result = phases.run_probes(session, **kwargs)
+        except BaseException as exc:
+            self.result = exc
+
+    def __enter__(self) -> _LoadedProbes:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.thread.join()
+
+
+def _throughput_phase(
+    session: ProbeSession, opts: ProbeOptions, report: dict[str, Any], progress: Progress
+) -> None:
+    counts = sorted({1, opts.streams})
+    loaded = "loaded" in opts.phases
+    runs: list[phases.ThroughputRun] = []
+    loaded_runs: dict[str, phases.ProbeRun] = {}
+    for direction in ("up", "down"):
+        for streams in counts:
+            progress("throughput", f"TCP {direction} x{streams} ({opts.duration_s:g} s + omit)")
+            prober = None
+            if loaded and streams == counts[-1]:
+                prober = _LoadedProbes(session, opts, 2 if direction == "up" else 3)
+            with prober or contextlib.nullcontext():
+                run = _goodput(session, opts, direction, streams)
+            runs.append(run)
+            if prober is not None:
+                if isinstance(prober.result, BaseException):
+                    raise prober.result
+                assert prober.result is not None
+                loaded_runs[direction] = prober.result
+            state = "converged" if run.converged else "did NOT converge"
+            progress(
+                "throughput",
+                f"{direction} x{streams}: {run.gbps:.3f} Gbps ±{run.ci95_pct:.1f} % ({state})",
+            )
+    report["throughput"] = _throughput_summary(runs)
+    if loaded_runs:
+        _loaded_summary(loaded_runs, report, progress)
+
+
+def _goodput(
+    session: ProbeSession, opts: ProbeOptions, direction: str, streams: int
+) -> phases.ThroughputRun:
+    cap = opts.max_duration_s or 3 * (opts.duration_s + opts.omit_s)
+    return phases.measure_goodput(
+        session,
+        direction=direction,
+        streams=streams,
+        duration_s=opts.duration_s,
+        omit_s=opts.omit_s,
+        interval_s=opts.sample_interval_s,
+        ci_target_pct=opts.ci_target_pct,
+        max_duration_s=cap,
+        max_bytes=opts.max_test_bytes,
+    )
+
+
+def _throughput_summary(runs: list[phases.ThroughputRun]) -> dict[str, Any]:
+    best = {}
+    for direction in ("up", "down"):
+        mine = [r for r in runs if r.direction == direction]
+        best[direction] = max(mine, key=lambda r: r.gbps)
+    return {
+        "up_gbps": best["up"].gbps,
+        "down_gbps": best["down"].gbps,
+        "ci95_pct": max(best["up"].ci95_pct, best["down"].ci95_pct),
+        "converged": all(r.converged for r in best.values()),
+        "up_streams": best["up"].streams,
+        "down_streams": best["down"].streams,
+        "runs": [asdict(r) for r in runs],
+    }
+
+
+def _loaded_summary(
+    loaded_runs: dict[str, phases.ProbeRun], report: dict[str, Any], progress: Progress
+) -> None:
+    rtts = [ns / 1e6 for run in loaded_runs.values() for ns in run.rtt_ns_by_seq.values()]
+    if not rtts:
+        return
+    s = summarize(rtts)
+    by_direction: dict[str, dict[str, float | None]] = {}
+    for direction, run in loaded_runs.items():
+        if run.received == 0:  # every probe lost under load: a result, not a failure
+            by_direction[direction] = {"p50": None, "p99": None, "loss": 100.0}
+            continue
+        result = phases.summarize_probes(run)
+        by_direction[direction] = {
+            "p50": result.rtt_ms["p50"],
+            "p99": result.rtt_ms["p99"],
+            "loss": result.loss["round_trip"],
+        }
+        report["jitter_ms"]["rfc3550_under_load"] = max(
+            report["jitter_ms"]["rfc3550_under_load"] or 0.0, result.jitter_ms
+        )
+    report["rtt_under_load_ms"] = {
+        "p50": s.p50,
+        "p90": s.p90,
+        "p99": s.p99,
+        "max": s.max,
+        "mean": s.mean,
+        "samples": s.count,
+        "by_direction": by_direction,
+    }
+    progress("loaded", f"RTT under load p50 {s.p50:.3f} ms p99 {s.p99:.3f} ms")
+
+
+def _chunk_phase(
+    session: ProbeSession, opts: ProbeOptions, report: dict[str, Any], progress: Progress
+) -> None:
+    progress("chunks", f"KV chunk sweep over {opts.chunk_transport}")
+
+    def each(result: Any) -> None:
+        progress(
+            "chunks",
+            f"{human_bytes(result.chunk_bytes)}: {result.gbps:.3f} Gbps, "
+            f"p50 {result.p50_ms:.2f} ms p99 {result.p99_ms:.2f} ms",
+        )
+
+    sweep = run_chunk_sweep(
+        session,
+        list(opts.chunk_sizes),
+        transport=opts.chunk_transport,
+        seconds=opts.chunk_seconds,
+        window=opts.chunk_window,
+        on_size=each,
+    )
+    report["chunks"] = [asdict(c) for c in sweep.chunks]
+    report["chunk_recommended_bytes"] = sweep.recommended_bytes

@@ -1,0 +1,180 @@
+"""GO / NO-GO: can this link carry the KV load within the TTFT budget?
+
+Rules (thresholds configurable): KV demand <= 70 % of measured available bandwidth;
+RTT p99 <= 20 % of the TTFT budget; loss <= 0.1 %; chunk p99 <= 15 % of the TTFT budget.
+Each rule reports measured value, threshold, margin (threshold - measured, so positive
+is headroom) and pass/fail. Rules whose inputs were not given are skipped, and say why.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdx.errors import InputError
+from pdx.units import bytes_per_s_to_gbps, human_bytes
+
+
+@dataclass(frozen=True)
+class VerdictRules:
+    """Thresholds of the verdict, as shares of measured bandwidth and of the TTFT budget."""
+
+    kv_gbps: float | None = None
+    ttft_budget_ms: float | None = None
+    bandwidth_share: float = 0.70
+    rtt_share: float = 0.20
+    max_loss_pct: float = 0.1
+    chunk_share: float = 0.15
+    kv_direction: str = "up"
+
+
+@dataclass
+class Rule:
+    """One judged rule."""
+
+    name: str
+    status: str  # "pass", "fail" or "skip"
+    measured: float | None
+    threshold: float | None
+    margin: float | None
+    unit: str
+    detail: str
+
+
+@dataclass
+class Verdict:
+    """Overall GO (every applicable rule passed) or NO-GO, with every rule."""
+
+    go: bool
+    rules: list[Rule] = field(default_factory=list)
+
+
+def kv_demand_from_report(path: Path, qps: float, seq: int | None = None) -> tuple[float, str]:
+    """KV Gbps from a ``measure-kv --json`` report: ``requests[].kv_bytes`` x ``qps``.
+
+    Takes the request row for ``seq`` when given, else the largest ``kv_bytes`` row
+    (the peak demand). Returns (Gbps, a description of the choice).
+    """
+    if qps <= 0:
+        raise InputError("--qps", qps, "a positive request rate with --kv-report")
+    try:
+        data = json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        raise InputError("--kv-report", str(path), "an existing measure-kv --json file") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise InputError("--kv-report", str(path), f"readable JSON ({exc})") from None
+    rows = _request_rows(data, path)
+    if seq is not None:
+        rows = [r for r in rows if r.get("seq") == seq]
+        if not rows:
+            raise InputError("--seq", seq, f"a seq present in {path}'s requests[]")
+    row = max(rows, key=lambda r: r["kv_bytes"])
+    gbps = bytes_per_s_to_gbps(float(row["kv_bytes"]) * qps)
+    return gbps, f"{row['kv_bytes']} B/request (seq {row.get('seq')}) x {qps:g} req/s"
+
+
+def _request_rows(data: Any, path: Path) -> list[dict[str, Any]]:
+    rows = data.get("requests") if isinstance(data, dict) else None
+    expected = "a measure-kv --json report with requests[].kv_bytes"
+    if not isinstance(rows, list) or not rows:
+        raise InputError("--kv-report", str(path), expected)
+    good = [
+        r
+        for r in rows
+        if isinstance(r, dict)
+        and isinstance(r.get("kv_bytes"), int | float)
+        and not isinstance(r.get("kv_bytes"), bool)
+    ]
+    if len(good) != len(rows):
+        raise InputError("--kv-report", str(path), expected)
+    return good
+
+
+def _judge(
+    name: str, measured: float, threshold: float, unit: str, detail: str, lower_is_better: bool
+) -> Rule:
+    margin = threshold - measured if lower_is_better else measured - threshold
+    return Rule(name, "pass" if margin >= 0 else "fail", measured, threshold, margin, unit, detail)
+
+
+def _skip(name: str, unit: str, why: str) -> Rule:
+    return Rule(name, "skip", None, None, None, unit, why)
+
+
+def judge(report: dict[str, Any], rules: VerdictRules) -> Verdict:
+    """Apply the rules to a probe report (the ``probe-link --json`` document)."""
+    judged = [
+        _bandwidth_rule(report, rules),
+        _rtt_rule(report, rules),
+        _loss_rule(report, rules),
+        _chunk_rule(report, rules),
+    ]
+    return Verdict(go=all(r.status != "fail" for r in judged), rules=judged)
+
+
+def _bandwidth_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:
+    name, unit = "kv_bandwidth", "Gbps"
+    if rules.kv_gbps is None:
+        return _skip(name, unit, "no KV demand given (--kv-gbps or --kv-report with --qps)")
+    tp = report.get("throughput") or {}
+    keys = {"up": ["up_gbps"], "down": ["down_gbps"]}.get(rules.kv_direction)
+    values = [tp.get(k) for k in keys or ["up_gbps", "down_gbps"]]
+    measured = [v for v in values if v is not None]
+    avail = min(measured) if measured else None
+    if avail is None:
+        return _skip(name, unit, "throughput was not measured")
+    threshold = rules.bandwidth_share * avail
+    detail = (
+        f"KV demand vs {rules.bandwidth_share:.0%} of {avail:.3f} Gbps available "
+        f"({rules.kv_direction})"
+    )
+    if tp.get("converged") is False:
+        detail += f"; goodput did not converge (95 % CI ±{tp.get('ci95_pct', math.inf):.1f} %)"
+    return _judge(name, rules.kv_gbps, threshold, unit, detail, lower_is_better=True)
+
+
+def _rtt_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:
+    name, unit = "rtt", "ms"
+    if rules.ttft_budget_ms is None:
+        return _skip(name, unit, "no TTFT budget given (--ttft-budget-ms)")
+    rtt = (report.get("rtt_ms") or {}).get("p99")
+    if rtt is None:
+        return _skip(name, unit, "idle latency was not measured")
+    threshold = rules.rtt_share * rules.ttft_budget_ms
+    detail = f"idle RTT p99 vs {rules.rtt_share:.0%} of the {rules.ttft_budget_ms:g} ms budget"
+    return _judge(name, rtt, threshold, unit, detail, lower_is_better=True)
+
+
+def _loss_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:
+    name, unit = "loss", "%"
+    loss = report.get("loss") or {}
+    if loss.get("up") is None:
+        return _skip(name, unit, "loss was not measured")
+    worst = max(loss["up"], loss["down"])
+    lo, hi = loss.get("up_ci95", [None, None])
+    detail = f"worse of upstream/downstream over {loss.get('probes')} probes"
+    if hi is not None:
+        detail += f"; upstream 95 % interval {lo:.3f}-{hi:.3f} %"
+        if hi > rules.max_loss_pct:
+            detail += f" (too few probes to show loss <= {rules.max_loss_pct:g} %)"
+    return _judge(name, worst, rules.max_loss_pct, unit, detail, lower_is_better=True)
+
+
+def _chunk_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:
+    name, unit = "chunk_p99", "ms"
+    if rules.ttft_budget_ms is None:
+        return _skip(name, unit, "no TTFT budget given (--ttft-budget-ms)")
+    chunks = report.get("chunks") or []
+    if not chunks:
+        return _skip(name, unit, "the chunk sweep was not run")
+    chosen = report.get("chunk_recommended_bytes")
+    row = next((c for c in chunks if c["chunk_bytes"] == chosen), chunks[0])
+    threshold = rules.chunk_share * rules.ttft_budget_ms
+    detail = (
+        f"p99 time of a {human_bytes(row['chunk_bytes'])} chunk vs {rules.chunk_share:.0%} "
+        f"of the {rules.ttft_budget_ms:g} ms budget"
+    )
+    return _judge(name, row["p99_ms"], threshold, unit, detail, lower_is_better=True)

@@ -1,0 +1,117 @@
+"""Verdict rules: each rule's measured value, threshold, margin and outcome."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdx.errors import InputError
+from pdx.link.verdict import VerdictRules, judge, kv_demand_from_report
+
+
+def _report(**over: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "throughput": {"up_gbps": 10.0, "down_gbps": 8.0},
+        "rtt_ms": {"p99": 2.0},
+        "loss": {"up": 0.0, "down": 0.05, "probes": 1000, "up_ci95": [0.0, 0.38]},
+        "chunks": [
+            {"chunk_bytes": 1 << 20, "p99_ms": 3.0},
+            {"chunk_bytes": 4 << 20, "p99_ms": 12.0},
+        ],
+        "chunk_recommended_bytes": 4 << 20,
+    }
+    base.update(over)
+    return base
+
+
+def _rules(verdict: Any) -> dict[str, Any]:
+    return {r.name: r for r in verdict.rules}
+
+
+def test_every_rule_passes_with_margin() -> None:
+    verdict = judge(_report(), VerdictRules(kv_gbps=5.0, ttft_budget_ms=100.0))
+    rules = _rules(verdict)
+    assert verdict.go
+    assert rules["kv_bandwidth"].threshold == pytest.approx(7.0)
+    assert rules["kv_bandwidth"].margin == pytest.approx(2.0)
+    assert rules["rtt"].threshold == pytest.approx(20.0) and rules["rtt"].measured == 2.0
+    assert rules["loss"].measured == 0.05 and rules["loss"].margin == pytest.approx(0.05)
+    assert rules["chunk_p99"].measured == 12.0 and rules["chunk_p99"].threshold == 15.0
+
+
+@pytest.mark.parametrize(
+    ("report", "rules", "failing"),
+    [
+        (_report(), VerdictRules(kv_gbps=7.5), "kv_bandwidth"),
+        (_report(rtt_ms={"p99": 25.0}), VerdictRules(ttft_budget_ms=100), "rtt"),
+        (_report(loss={"up": 0.2, "down": 0.0, "probes": 9}), VerdictRules(), "loss"),
+        (_report(chunk_recommended_bytes=None), VerdictRules(ttft_budget_ms=10), "chunk_p99"),
+    ],
+)
+def test_one_failing_rule_makes_no_go(
+    report: dict[str, Any], rules: VerdictRules, failing: str
+) -> None:
+    verdict = judge(report, rules)
+    judged = _rules(verdict)
+    assert not verdict.go
+    assert judged[failing].status == "fail" and judged[failing].margin < 0
+    assert [r.name for r in verdict.rules if r.status == "fail"] == [failing]
+
+
+def test_kv_direction_picks_the_bandwidth_compared() -> None:
+    for direction, avail in (("up", 10.0), ("down", 8.0), ("both", 8.0)):
+        rule = _rules(judge(_report(), VerdictRules(kv_gbps=1.0, kv_direction=direction)))
+        assert rule["kv_bandwidth"].threshold == pytest.approx(0.7 * avail)
+
+
+def test_rules_without_inputs_are_skipped_and_say_why() -> None:
+    verdict = judge({"loss": None, "throughput": None}, VerdictRules(kv_gbps=1.0))
+    assert verdict.go
+    assert {r.status for r in verdict.rules} == {"skip"}
+    assert all(r.detail for r in verdict.rules)
+
+
+def _kv_file(tmp_path: Path, data: Any) -> Path:
+    path = tmp_path / "kv.json"
+    path.write_text(json.dumps(data))
+    return path
+
+
+def test_kv_report_takes_the_largest_request_or_the_chosen_seq(tmp_path: Path) -> None:
+    path = _kv_file(
+        tmp_path,
+        {
+            "kv_bytes_per_token": 327680,
+            "requests": [
+                {"seq": 1024, "kv_bytes": 335_544_320},
+                {"seq": 8192, "kv_bytes": 2_684_354_560},
+            ],
+        },
+    )
+    gbps, why = kv_demand_from_report(path, qps=2.0)
+    assert gbps == pytest.approx(2_684_354_560 * 2 * 8 / 1e9)
+    assert "seq 8192" in why
+    gbps, _ = kv_demand_from_report(path, qps=2.0, seq=1024)
+    assert gbps == pytest.approx(335_544_320 * 2 * 8 / 1e9)
+    with pytest.raises(InputError, match="--seq"):
+        kv_demand_from_report(path, qps=2.0, seq=77)
+
+
+@pytest.mark.parametrize(
+    "content", ['{"requests": []}', '{"requests": [{"seq": 1}]}', "[1]", "not json"]
+)
+def test_bad_kv_reports_name_the_file(tmp_path: Path, content: str) -> None:
+    path = tmp_path / "kv.json"
+    path.write_text(content)
+    with pytest.raises(InputError, match="--kv-report"):
+        kv_demand_from_report(path, qps=1.0)
+
+
+def test_missing_kv_report_and_bad_qps(tmp_path: Path) -> None:
+    with pytest.raises(InputError, match="existing"):
+        kv_demand_from_report(tmp_path / "nope.json", qps=1.0)
+    with pytest.raises(InputError, match="--qps"):
+        kv_demand_from_report(tmp_path / "nope.json", qps=0)
