@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar, Literal
 
 import torch
@@ -55,8 +58,34 @@ def unpack(data: bytes | memoryview) -> tuple[dict[str, Any], memoryview]:
     magic, head_len = _HEADER.unpack_from(view)
     if magic != _MAGIC or _HEADER.size + head_len > len(view):
         raise InputError("codec payload", "bad header", "a framed codec payload")
-    meta = json.loads(bytes(view[_HEADER.size : _HEADER.size + head_len]))
+    try:
+        meta = json.loads(bytes(view[_HEADER.size : _HEADER.size + head_len]))
+    except (ValueError, UnicodeDecodeError):
+        raise InputError("codec payload", "bad header", "a framed codec payload") from None
+    if not isinstance(meta, dict):
+        raise InputError("codec payload", "bad header", "a framed codec payload")
     return meta, view[_HEADER.size + head_len :]
+
+
+@contextmanager
+def payload_errors(codec: str) -> Iterator[None]:
+    """Report any failure while decoding a damaged payload as one InputError."""
+    try:
+        yield
+    except InputError:
+        raise
+    except Exception as exc:  # a truncated or corrupted payload fails in many ways
+        raise InputError(
+            "codec payload", f"{codec}: {exc.__class__.__name__}", f"an intact {codec} payload"
+        ) from None
+
+
+def unpack_for(data: bytes | memoryview, codec: str) -> tuple[dict[str, Any], memoryview]:
+    """:func:`unpack`, also checking that the header names ``codec``."""
+    meta, payload = unpack(data)
+    if meta.get("codec") != codec:
+        raise InputError("codec payload", meta.get("codec"), f"a {codec} payload")
+    return meta, payload
 
 
 class KVCodec(ABC):
@@ -66,7 +95,8 @@ class KVCodec(ABC):
     values per token); lossless codecs ignore it.
     """
 
-    name: ClassVar[str]
+    #: Stable name; parametrised codecs (``int4-g32``) set it per instance.
+    name: str
     lossless: ClassVar[bool]
 
     @abstractmethod
@@ -79,12 +109,20 @@ class KVCodec(ABC):
 
 
 _REGISTRY: dict[str, type[KVCodec]] = {}
+_FAMILIES: list[tuple[re.Pattern[str], str, Callable[[re.Match[str]], KVCodec]]] = []
 
 
 def register_codec(cls: type[KVCodec]) -> type[KVCodec]:
     """Class decorator: make a codec available by its ``name``."""
     _REGISTRY[cls.name] = cls
     return cls
+
+
+def register_codec_family(
+    pattern: str, shown_as: str, factory: Callable[[re.Match[str]], KVCodec]
+) -> None:
+    """Make parametrised names (e.g. ``int4-g<N>``) available: ``factory(match)`` builds one."""
+    _FAMILIES.append((re.compile(pattern), shown_as, factory))
 
 
 def _load_builtin() -> None:
@@ -98,10 +136,26 @@ def codec_names() -> list[str]:
     return list(_REGISTRY)
 
 
+def codec_patterns() -> list[str]:
+    """Parametrised name forms accepted besides :func:`codec_names` (e.g. ``int4-g<N>``)."""
+    _load_builtin()
+    return [shown for _, shown, _ in _FAMILIES]
+
+
 def get_codec(name: str) -> KVCodec:
     """A codec instance by name; unknown names are an InputError listing the valid ones."""
     _load_builtin()
-    try:
+    if name in _REGISTRY:
         return _REGISTRY[name]()
-    except KeyError:
-        raise InputError("codec", name, f"one of {', '.join(_REGISTRY)}") from None
+    for pattern, _, factory in _FAMILIES:
+        match = pattern.fullmatch(name)
+        if match:
+            return factory(match)
+    valid = ", ".join([*_REGISTRY, *codec_patterns()])
+    raise InputError("codec", name, f"one of {valid}")
+
+
+def decode_any(data: bytes | memoryview) -> torch.Tensor:
+    """Decode framed bytes with whichever codec its header names."""
+    meta, _ = unpack(data)
+    return get_codec(str(meta.get("codec"))).decode(data)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from pdx.kv.codecs.base import (
@@ -11,23 +10,13 @@ from pdx.kv.codecs.base import (
     dtype_from_name,
     dtype_name,
     pack,
+    payload_errors,
     register_codec,
-    unpack,
+    unpack_for,
 )
+from pdx.kv.codecs.tensorio import tensor_bytes, tensor_from_bytes
 
-
-def tensor_bytes(x: torch.Tensor) -> memoryview:
-    """The raw bytes of a contiguous CPU tensor, without copying."""
-    x = x.detach().contiguous().cpu()
-    return memoryview(x.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
-
-
-def tensor_from_bytes(
-    buf: bytes | memoryview, dtype: torch.dtype, shape: list[int]
-) -> torch.Tensor:
-    """Rebuild a tensor from raw bytes (copies, so the result owns its memory)."""
-    arr = np.frombuffer(buf, dtype=np.uint8).copy()
-    return torch.from_numpy(arr).view(dtype).reshape(shape)
+__all__ = ["RawCodec", "tensor_bytes", "tensor_from_bytes"]
 
 
 @register_codec
@@ -42,5 +31,31 @@ class RawCodec(KVCodec):
         return pack(meta, tensor_bytes(x))
 
     def decode(self, data: bytes | memoryview) -> torch.Tensor:
-        meta, payload = unpack(data)
-        return tensor_from_bytes(payload, dtype_from_name(meta["dtype"]), meta["shape"])
+        meta, payload = unpack_for(data, self.name)
+        with payload_errors(self.name):
+            return tensor_from_bytes(payload, dtype_from_name(meta["dtype"]), meta["shape"])
+
+
+def _register_all() -> None:
+    """Every built-in codec, registered in one place (in the order tables list them)."""
+    from pdx.kv.codecs import lossless, lossy
+    from pdx.kv.codecs.base import register_codec_family
+
+    for cls in (
+        lossy.Fp8E4M3,
+        lossy.Fp8E4M3Head,
+        lossy.Fp8E5M2,
+        lossy.Fp8E5M2Head,
+        lossy.Int8G64,
+        lossy.Int4G64,
+        lossy.Int4G32,
+        lossless.ZstdCodec,
+        lossless.ZstdPlanesCodec,
+        lossless.Lz4Codec,
+        lossless.Lz4PlanesCodec,
+    ):
+        register_codec(cls)
+    register_codec_family(lossy.INT_PATTERN, "int{4|8}[-g<N>]", lossy.int_codec_from_name)
+
+
+_register_all()

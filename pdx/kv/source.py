@@ -1,0 +1,93 @@
+"""Where a model config comes from: a config.json file, a checkpoint directory, or a preset.
+
+Presets are the public ``config.json`` fields of well-known models, stored as JSON files in
+``pdx/kv/presets/`` (``_source`` names the Hugging Face repository they come from).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+from pdx.errors import InputError
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A loaded config and where it came from (``model_dir`` only for checkpoints)."""
+
+    name: str
+    config: dict[str, Any]
+    model_dir: Path | None = None
+
+
+def _preset_dir() -> Any:
+    return resources.files("pdx.kv").joinpath("presets")
+
+
+def preset_names() -> list[str]:
+    """Names accepted by ``--preset``, sorted."""
+    return sorted(
+        p.name.removesuffix(".json") for p in _preset_dir().iterdir() if p.name.endswith(".json")
+    )
+
+
+def load_preset(name: str) -> ModelSource:
+    """A built-in preset by name (case-insensitive)."""
+    key = name.strip().lower()
+    if key not in preset_names():
+        raise InputError("--preset", name, f"one of {', '.join(preset_names())}")
+    config = json.loads(_preset_dir().joinpath(f"{key}.json").read_text())
+    return ModelSource(name=key, config=config)
+
+
+def load_config_file(path: Path, field: str = "--config") -> ModelSource:
+    """A Hugging Face config.json from disk."""
+    if not path.is_file():
+        raise InputError(field, str(path), "an existing config.json file")
+    try:
+        config = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(
+            field, str(path), f"a JSON file ({exc.__class__.__name__}: {exc})"
+        ) from None
+    if not isinstance(config, dict):
+        raise InputError(field, str(path), "a JSON object (a Hugging Face config.json)")
+    return ModelSource(name=str(config.get("_name_or_path") or path.parent.name), config=config)
+
+
+def load_model_dir(path: Path) -> ModelSource:
+    """A local checkpoint directory (must hold config.json)."""
+    if not path.is_dir():
+        raise InputError("--model-path", str(path), "an existing checkpoint directory")
+    config_path = path / "config.json"
+    if not config_path.is_file():
+        raise InputError("--model-path", str(path), "a directory containing config.json")
+    loaded = load_config_file(config_path, field="--model-path")
+    return ModelSource(name=path.name, config=loaded.config, model_dir=path)
+
+
+def resolve_source(
+    *, config: Path | None = None, model_path: Path | None = None, preset: str | None = None
+) -> ModelSource:
+    """Exactly one of ``config`` / ``model_path`` / ``preset``."""
+    given = [
+        k
+        for k, v in (("--config", config), ("--model-path", model_path), ("--preset", preset))
+        if v
+    ]
+    if len(given) != 1:
+        raise InputError(
+            "model source",
+            " ".join(given) or "none",
+            "exactly one of --config, --model-path, --preset",
+        )
+    if config is not None:
+        return load_config_file(config)
+    if model_path is not None:
+        return load_model_dir(model_path)
+    assert preset is not None
+    return load_preset(preset)

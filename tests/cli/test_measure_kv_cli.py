@@ -1,0 +1,238 @@
+"""``pdx measure-kv`` through the CLI: the JSON contract, the must-show figures, bad input."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdx.cli.main import app
+from pdx.kv.source import load_preset
+
+REQUIRED_KEYS = {
+    "model",
+    "dtype",
+    "kv_bytes_per_token",
+    "state_bytes_per_request",
+    "layers",
+    "requests",
+    "codecs",
+    "budget",
+}
+
+
+def run(*args: str):
+    return CliRunner().invoke(app, ["measure-kv", *args])
+
+
+def run_json(*args: str) -> dict:
+    result = run(*args, "--json")
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+@pytest.mark.parametrize(
+    ("preset", "per_token", "has_state"),
+    [
+        ("llama-3.1-70b", 327680, False),
+        ("qwen3-32b", 262144, False),
+        ("deepseek-v3", 70272, False),
+        ("gemma-3-27b", 81920, False),
+        ("qwen3-next-80b-a3b", 24576, True),
+        ("jamba-v0.1", 16384, True),
+    ],
+)
+def test_must_show_figures(preset: str, per_token: int, has_state: bool) -> None:
+    doc = run_json("--preset", preset, "--dtype", "bf16", "--codecs", "none")
+    assert set(doc) >= REQUIRED_KEYS
+    assert doc["kv_bytes_per_token"] == per_token
+    assert (doc["state_bytes_per_request"] > 0) is has_state
+    assert isinstance(doc["kv_bytes_per_token"], int)
+
+
+def test_json_shape_and_sliding_caps() -> None:
+    doc = run_json("--preset", "gemma-3-27b", "--seq", "512,2048", "--codecs", "none")
+    assert doc["model"] == "gemma-3-27b" and doc["dtype"] == "bf16"
+    assert len(doc["layers"]) == 62
+    sliding = [la for la in doc["layers"] if la["kind"] == "sliding"]
+    assert len(sliding) == 52 and {la["window_tokens"] for la in sliding} == {1023}
+    r512, r2048 = doc["requests"]
+    assert r512["seq"] == 512 and r512["kv_bytes"] == 62 * 8192 * 512
+    assert r2048["kv_bytes"] == 10 * 8192 * 2048 + 52 * 8192 * 1023
+    assert doc["codecs"] == [] and doc["empirical"] is None
+    budget = doc["budget"]
+    assert {"qps", "link_gbps", "sequences", "break_even", "utilisation_limit"} <= set(budget)
+
+
+def test_user_config_file_with_empirical_and_codecs(tmp_path: Path) -> None:
+    cfg = {
+        "model_type": "mistral",
+        "num_hidden_layers": 3,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "sliding_window": 20,
+        "vocab_size": 300,
+    }
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    doc = run_json(
+        "--config", str(path), "--seq", "10,100", "--empirical", "--empirical-seq", "40",
+        "--codecs", "fp8-e4m3,zstd-planes", "--codec-seq", "32", "--decode-tokens", "2",
+    )  # fmt: skip
+    assert [e["seq"] for e in doc["empirical"]] == [10, 40]
+    assert all(e["match"] for e in doc["empirical"])
+    assert doc["empirical"][1]["empirical_bytes"] == 3 * 2 * 2 * 16 * 2 * 19  # run unscaled
+    assert doc["empirical"][1]["scaled"] == {}
+    names = [c["name"] for c in doc["codecs"]]
+    assert names == ["fp8-e4m3", "zstd-planes"]
+    for c in doc["codecs"]:
+        assert {
+            "name",
+            "ratio",
+            "encode_gbps",
+            "decode_gbps",
+            "rel_error",
+            "token_agreement",
+            "kl",
+        } <= set(c)
+    assert doc["requests"][1]["kv_bytes"] == 3 * 2 * 2 * 16 * 2 * 19
+
+
+def test_human_table_output() -> None:
+    result = run("--preset", "jamba-v0.1", "--codecs", "none")
+    assert result.exit_code == 0
+    assert "kv_bytes_per_token 16,384" in result.stdout
+    assert "Mamba conv 8192x4" in result.stdout
+
+
+def test_list_presets() -> None:
+    doc = run_json("--list-presets")
+    assert "qwen3-next-80b-a3b" in doc["presets"] and len(doc["presets"]) == 10
+
+
+def _bad_config(tmp_path: Path, name: str, **changes) -> str:
+    cfg = dict(load_preset("llama-3.1-8b").config)
+    cfg.update(changes)
+    for key, value in changes.items():
+        if value is None:
+            del cfg[key]
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--preset", "llama-3.1-8b", "--seq", "0"], "--seq: got '0'"),
+        (["--preset", "llama-3.1-8b", "--seq", "-3"], "--seq"),
+        (["--preset", "llama-3.1-8b", "--seq", "many"], "--seq: got 'many'"),
+        (["--preset", "llama-3.1-8b", "--codecs", "fp8-e4m3,bogus"], "codec: got 'bogus'"),
+        (["--preset", "llama-3.1-8b", "--dtype", "int3"], "--dtype: got 'int3'"),
+        (["--preset", "jamba-v0.1", "--state-dtype", "fp8"], "--state-dtype"),
+        (["--preset", "llama-3.1-8b", "--qps", "0"], "--qps"),
+        (["--preset", "llama-3.1-8b", "--link-gbps", "-1"], "--link-gbps"),
+        (["--preset", "gpt-5"], "--preset: got 'gpt-5'"),
+        (["--seq", "10"], "exactly one of --config, --model-path, --preset"),
+        (["--preset", "llama-3.1-8b", "--codec-seq", "0"], "--codec-seq"),
+    ],
+)
+def test_bad_input_one_line_exit_2(args: list[str], needle: str) -> None:
+    result = run(*args)
+    assert result.exit_code == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0]
+    assert "Traceback" not in result.output
+
+
+def test_bad_config_files(tmp_path: Path) -> None:
+    cases = [
+        (
+            _bad_config(tmp_path, "a", num_key_value_heads=None, num_attention_heads=None),
+            "'num_attention_heads'",
+        ),
+        (_bad_config(tmp_path, "b", model_type="t5"), "model_type 't5' is not supported"),
+        (_bad_config(tmp_path, "c", num_hidden_layers="many"), "'num_hidden_layers' is 'many'"),
+    ]
+    for path, needle in cases:
+        result = run("--config", path, "--codecs", "none")
+        assert result.exit_code == 2, result.output
+        assert needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    broken = tmp_path / "broken.json"
+    broken.write_text("{not json")
+    result = run("--config", str(broken))
+    assert result.exit_code == 2 and "--config" in result.stderr
+
+
+def test_model_path_without_config_json(tmp_path: Path) -> None:
+    result = run("--model-path", str(tmp_path))
+    assert result.exit_code == 2
+    assert "a directory containing config.json" in result.stderr
+    result = run("--model-path", str(tmp_path / "missing"))
+    assert result.exit_code == 2 and "--model-path" in result.stderr
+
+
+def test_analytic_cli_is_torch_free_end_to_end() -> None:
+    code = (
+        "import sys\n"
+        "from typer.testing import CliRunner\n"
+        "from pdx.cli.main import app\n"
+        "args = ['measure-kv', '--preset', 'deepseek-v3', '--codecs', 'none', '--json']\n"
+        "r = CliRunner().invoke(app, args)\n"
+        "assert r.exit_code == 0, r.output\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
+
+
+def test_console_script_subprocess() -> None:
+    exe = Path(sys.executable).with_name("pdx")
+    out = subprocess.run(
+        [str(exe), "measure-kv", "--preset", "qwen3-32b", "--codecs", "none", "--json"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["kv_bytes_per_token"] == 262144
+
+
+def test_model_path_checkpoint_weights(tmp_path: Path) -> None:
+    from pdx.kv.empirical import build_model
+
+    cfg = {
+        "model_type": "qwen3",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "intermediate_size": 96,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 32,
+        "vocab_size": 300,
+    }
+    build_model(cfg, "fp32").save_pretrained(tmp_path)
+    doc = run_json(
+        "--model-path", str(tmp_path), "--seq", "24", "--empirical",
+        "--codecs", "raw,int8-g64", "--codec-seq", "16", "--decode-tokens", "3",
+    )  # fmt: skip
+    assert doc["kv_bytes_per_token"] == 2 * 2 * 2 * 32 * 2
+    (run,) = doc["empirical"]
+    assert run["match"] and run["scaled"] == {} and "checkpoint" in run["model_run"]
+    assert doc["codec_sample"]["kv_source"].startswith("checkpoint")
+    raw, int8 = doc["codecs"]
+    assert raw["kl"] == 0.0 and raw["token_agreement"] == 1.0 and int8["kl"] >= 0.0
+
+
+def test_active_params_override() -> None:
+    doc = run_json("--preset", "llama-3.1-8b", "--codecs", "none", "--active-params-b", "1")
+    assert doc["params_active"] == 1_000_000_000
+    seq = doc["budget"]["sequences"][0]
+    assert seq["recompute_s"] == pytest.approx(2 * 1024 * 1e9 / 400e12)
+    result = run("--preset", "llama-3.1-8b", "--active-params-b", "-2")
+    assert result.exit_code == 2 and "--active-params-b" in result.stderr

@@ -1,0 +1,220 @@
+"""Analytic KV sizes from configs: presets, every attention family, errors, no torch."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+
+from pdx.errors import InputError, UnsupportedModelError
+from pdx.kv.source import load_preset, preset_names
+from pdx.kv.spec import build_spec, parse_seq_list
+
+# bf16 bytes per token of the growing (full / MLA) layers, from the public configs.
+GROWING_BF16 = {
+    "llama-3.1-8b": 131072,
+    "llama-3.1-70b": 327680,
+    "qwen2.5-72b": 327680,
+    "qwen3-32b": 262144,
+    "deepseek-v3": 70272,
+    "mistral-7b-v0.1": 0,
+    "gemma-3-27b": 81920,
+    "gpt-oss-120b": 36864,
+    "qwen3-next-80b-a3b": 24576,
+    "jamba-v0.1": 16384,
+}
+
+
+def spec_of(name: str, **kw: str):
+    return build_spec(load_preset(name).config, name=name, **kw)
+
+
+def test_every_preset_is_listed() -> None:
+    assert sorted(GROWING_BF16) == preset_names()
+
+
+@pytest.mark.parametrize("name", sorted(GROWING_BF16))
+def test_preset_kv_bytes_per_token(name: str) -> None:
+    assert spec_of(name).kv_bytes_per_token == GROWING_BF16[name]
+
+
+def test_qwen3_honours_head_dim_not_hidden_over_heads() -> None:
+    spec = spec_of("qwen3-32b")
+    assert spec.kv_bytes_per_token == 64 * 2 * 8 * 128 * 2 != 64 * 2 * 8 * 80 * 2
+
+
+def test_deepseek_mla_latent_has_no_factor_two() -> None:
+    spec = spec_of("deepseek-v3")
+    assert {la.kind for la in spec.layers} == {"mla"}
+    assert spec.layers[0].bytes_per_token == (512 + 64) * 2
+    assert spec.kv_bytes(1000) == 61 * 576 * 2 * 1000
+
+
+def test_mistral_sliding_window_caps_at_window_minus_one() -> None:
+    spec = spec_of("mistral-7b-v0.1")
+    assert spec.sliding_bytes_per_token == 131072
+    assert spec.kv_bytes(1000) == 131072 * 1000
+    assert spec.kv_bytes(4095) == spec.kv_bytes(100_000) == 131072 * 4095
+
+
+def test_gemma3_full_and_capped_sliding_layers() -> None:
+    spec = spec_of("gemma-3-27b")
+    assert spec.kind_counts() == {"sliding": 52, "full": 10}
+    assert [la.index for la in spec.layers if la.kind == "full"] == list(range(5, 62, 6))
+    per_layer = 2 * 16 * 128 * 2
+    assert spec.kv_bytes(32768) == 10 * per_layer * 32768 + 52 * per_layer * 1023
+
+
+def test_gpt_oss_alternates_sliding_128() -> None:
+    spec = spec_of("gpt-oss-120b")
+    assert spec.kind_counts() == {"sliding": 18, "full": 18}
+    assert spec.layers[0].kind == "sliding" and spec.layers[0].window_tokens == 127
+    assert spec.kv_bytes(8192) == 36864 * 8192 + 36864 * 127
+
+
+def test_qwen3_next_gated_deltanet_state() -> None:
+    spec = spec_of("qwen3-next-80b-a3b")
+    assert spec.kind_counts() == {"linear": 36, "full": 12}
+    conv = (2 * 16 * 128 + 32 * 128) * 4
+    recurrent = 32 * 128 * 128
+    assert spec.state_bytes_per_request == 36 * (conv + recurrent) * 2 == 40_108_032
+    assert spec.kv_bytes(1) == 24576 + 40_108_032
+
+
+def test_jamba_mamba_state() -> None:
+    spec = spec_of("jamba-v0.1")
+    assert [la.index for la in spec.layers if la.kind == "full"] == [4, 12, 20, 28]
+    inner = 2 * 4096
+    assert spec.state_bytes_per_request == 28 * (inner * 4 + inner * 16) * 2 == 9_175_040
+
+
+def test_state_dtype_and_kv_dtype() -> None:
+    assert spec_of("llama-3.1-70b", dtype="fp8").kv_bytes_per_token == 163840
+    assert spec_of("llama-3.1-70b", dtype="fp32").kv_bytes_per_token == 655360
+    fp8 = spec_of("jamba-v0.1", dtype="fp8")
+    assert fp8.state_dtype == "bf16" and fp8.state_bytes_per_request == 9_175_040
+    fp32_state = spec_of("jamba-v0.1", state_dtype="fp32")
+    assert fp32_state.state_bytes_per_request == 2 * 9_175_040
+    assert fp32_state.kv_bytes_per_token == 16384
+
+
+def test_user_config_of_a_known_family_is_sized_exactly() -> None:
+    cfg = {
+        "model_type": "qwen3",
+        "num_hidden_layers": 7,
+        "hidden_size": 1000,
+        "num_attention_heads": 10,
+        "num_key_value_heads": 5,
+        "head_dim": 96,
+        "intermediate_size": 3000,
+        "vocab_size": 5000,
+        "use_sliding_window": True,
+        "sliding_window": 300,
+        "max_window_layers": 4,
+    }
+    spec = build_spec(cfg, name="custom", dtype="fp16")
+    per_layer = 2 * 5 * 96 * 2
+    assert spec.kind_counts() == {"full": 4, "sliding": 3}
+    assert spec.kv_bytes(1000) == 4 * per_layer * 1000 + 3 * per_layer * 299
+
+
+def test_explicit_layer_types_win() -> None:
+    cfg = copy.deepcopy(load_preset("gpt-oss-120b").config)
+    cfg["layer_types"] = ["full_attention"] * 36
+    assert build_spec(cfg, name="x").kv_bytes_per_token == 36 * 2048
+
+
+@pytest.mark.parametrize(
+    ("mutate", "needle"),
+    [
+        (
+            lambda c: c.pop("num_key_value_heads") and c.pop("num_attention_heads"),
+            "num_attention_heads",
+        ),
+        (lambda c: c.pop("num_hidden_layers"), "num_hidden_layers"),
+        (lambda c: c.update(model_type="bert"), "'bert' is not supported"),
+        (lambda c: c.pop("model_type"), "no 'model_type'"),
+        (lambda c: c.update(num_key_value_heads=0), "'num_key_value_heads' is 0"),
+    ],
+)
+def test_bad_configs_name_the_problem(mutate, needle: str) -> None:
+    cfg = copy.deepcopy(load_preset("llama-3.1-8b").config)
+    mutate(cfg)
+    with pytest.raises(UnsupportedModelError, match=needle):
+        build_spec(cfg, name="x")
+
+
+def test_family_specific_missing_fields() -> None:
+    cfg = copy.deepcopy(load_preset("deepseek-v3").config)
+    del cfg["kv_lora_rank"]
+    with pytest.raises(UnsupportedModelError, match=r"'deepseek_v3'.*'kv_lora_rank'"):
+        build_spec(cfg, name="x")
+    mistral = copy.deepcopy(load_preset("mistral-7b-v0.1").config)
+    del mistral["sliding_window"]
+    with pytest.raises(UnsupportedModelError, match="'sliding_window'"):
+        build_spec(mistral, name="x")
+    gemma = copy.deepcopy(load_preset("gemma-3-27b").config)
+    del gemma["text_config"]["sliding_window_pattern"]
+    with pytest.raises(UnsupportedModelError, match="'sliding_window_pattern'"):
+        build_spec(gemma, name="x")
+    bad_types = copy.deepcopy(load_preset("gpt-oss-120b").config)
+    bad_types["layer_types"] = ["full_attention"] * 3
+    with pytest.raises(UnsupportedModelError, match="must list 36 entries"):
+        build_spec(bad_types, name="x")
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "abc", "1024,,x", ""])
+def test_bad_seq_lists(text: str) -> None:
+    with pytest.raises(InputError, match="--seq"):
+        parse_seq_list(text)
+
+
+def test_seq_list_parses_k_suffix() -> None:
+    assert parse_seq_list("1024, 8k,32K") == [1024, 8192, 32768]
+
+
+def test_spec_rejects_non_positive_seq() -> None:
+    with pytest.raises(InputError, match="seq"):
+        spec_of("llama-3.1-8b").kv_bytes(0)
+
+
+def test_unknown_dtype() -> None:
+    with pytest.raises(InputError, match="--dtype"):
+        spec_of("llama-3.1-8b", dtype="int3")
+    with pytest.raises(InputError, match="--state-dtype"):
+        spec_of("jamba-v0.1", state_dtype="fp8")
+
+
+@pytest.mark.parametrize(
+    ("name", "total_b", "active_b"),
+    [
+        ("llama-3.1-70b", 70.6, 70.6),
+        ("llama-3.1-8b", 8.03, 8.03),
+        ("deepseek-v3", 671.0, 37.0),
+        ("qwen3-next-80b-a3b", 80.0, 3.9),
+        ("jamba-v0.1", 51.6, 12.0),
+        ("gpt-oss-120b", 116.8, 5.7),
+        ("gemma-3-27b", 27.0, 27.0),
+    ],
+)
+def test_parameter_counts_near_published(name: str, total_b: float, active_b: float) -> None:
+    spec = spec_of(name)
+    assert spec.params_total / 1e9 == pytest.approx(total_b, rel=0.03)
+    assert spec.params_active / 1e9 == pytest.approx(active_b, rel=0.05)
+
+
+def test_analytic_path_does_not_import_torch() -> None:
+    code = (
+        "import sys\n"
+        "from pdx.kv.report import MeasureOptions, measure_kv\n"
+        "from pdx.kv.source import load_preset\n"
+        "r = measure_kv(load_preset('gemma-3-27b'), MeasureOptions())\n"
+        "assert r.kv_bytes_per_token == 81920\n"
+        "bad = [m for m in ('torch', 'transformers', 'numpy') if m in sys.modules]\n"
+        "print(bad)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
