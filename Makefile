@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.pdx-installed
 # torch first, pinned: the CPU build; an unpinned torch may pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test lint typecheck unit proto bench clean
+.PHONY: install demo test lint typecheck unit proto proto-check system-tools bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -28,13 +28,22 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP)
+unit: $(STAMP) system-tools
 	$(BIN)/python -m pytest -q -ra
 
-test: lint typecheck unit
+# Debian tools for system tests (netns, nft, ping, chromium); root only, PDX_NO_APT=1 skips.
+system-tools:
+	@scripts/ensure-system-tools.sh
+
+test: proto-check lint typecheck unit
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
+
+# Regenerate into a temporary directory and fail if pdx/_proto differs from it.
+proto-check: $(STAMP)
+	tmp=$$(mktemp -d) && $(BIN)/python scripts/gen_proto.py --out $$tmp/_proto >/dev/null \
+	  && diff -r -x __pycache__ $$tmp/_proto pdx/_proto; rc=$$?; rm -rf $$tmp; exit $$rc
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done

@@ -1,0 +1,178 @@
+"""KV transfer goodput vs iperf3 on loopback, measured in the same run.
+
+For each chunk size (256 KiB - 8 MiB) and TLS off/on: one iperf3 single-stream TCP run
+on loopback, then ``kv-bench`` (store in its own process, Put then Get of one object,
+checksums always on). Ratio = KV goodput / iperf3 goodput of the same round; the
+summary quotes medians over rounds. Goals: >= 0.90x without TLS, >= 0.60x with TLS.
+
+    python benchmarks/bench_transfer.py [--bytes 256MB] [--rounds 3] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from pdx.serving.kv_bench import parse_size, run_bench
+
+CHUNK_KB = (256, 1024, 4096, 8192)
+GOALS = {False: 0.90, True: 0.60}
+
+
+def ensure_iperf3() -> str | None:
+    """Path of iperf3, installing the Debian package once if it is missing."""
+    path = shutil.which("iperf3")
+    if path is None and shutil.which("apt-get"):
+        for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "iperf3"]):
+            try:
+                subprocess.run(cmd, check=False, capture_output=True, timeout=300)
+            except (OSError, subprocess.TimeoutExpired):
+                return None
+        path = shutil.which("iperf3")
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait_listening(port: int, timeout_s: float = 5.0) -> None:
+    """Poll the kernel's socket table (a probe connection would consume iperf3's test slot)."""
+    needle = f":{port:04X} "
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+            try:
+                with open(table) as f:
+                    lines = f.read().splitlines()[1:]
+            except OSError:
+                continue
+            if any(needle in ln.split()[1] + " " and ln.split()[3] == "0A" for ln in lines):
+                return
+        time.sleep(0.02)
+    raise RuntimeError("iperf3 server did not start")
+
+
+def iperf3_gbytes_per_s(iperf3: str, seconds: int = 2) -> float:
+    """Single-stream TCP goodput on loopback (receiver side), GB/s."""
+    port = _free_port()
+    server = subprocess.Popen(
+        [iperf3, "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        _wait_listening(port)
+        out = subprocess.run(
+            [iperf3, "-c", "127.0.0.1", "-p", str(port), "-t", str(seconds), "-J"],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=seconds + 30,
+        )
+        return float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]) / 8e9
+    finally:
+        server.kill()
+        server.wait()
+
+
+def main() -> None:
+    """Run the matrix and print one row per (chunk size, TLS) plus the goal check."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--bytes", default="256MB")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--streams", type=int, default=2)
+    ap.add_argument("--connections", type=int, default=1)
+    ap.add_argument("--chunk-kb", type=int, nargs="*", default=list(CHUNK_KB))
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    total = parse_size(args.bytes, "--bytes")
+    iperf3 = ensure_iperf3()
+    rows: list[dict[str, Any]] = []
+    for tls in (False, True):
+        for chunk_kb in args.chunk_kb:
+            rounds = []
+            for _ in range(args.rounds):
+                ref = iperf3_gbytes_per_s(iperf3) if iperf3 else None
+                r = run_bench(
+                    total,
+                    chunk_kb=chunk_kb,
+                    tls=tls,
+                    streams=args.streams,
+                    connections=args.connections,
+                    repeat=1,
+                )
+                rounds.append((ref, r.put_gbytes_per_s, r.get_gbytes_per_s))
+            rows.append(_row(chunk_kb, tls, rounds))
+            if not args.json:
+                _print_row(rows[-1], first=len(rows) == 1)
+    summary = _summary(rows)
+    if args.json:
+        print(json.dumps({"rows": rows, "summary": summary, "iperf3": iperf3}, indent=2))
+    else:
+        if iperf3 is None:
+            print("iperf3 not available: ratios skipped")
+        for line in summary["lines"]:
+            print(line)
+
+
+def _row(
+    chunk_kb: int, tls: bool, rounds: list[tuple[float | None, float, float]]
+) -> dict[str, Any]:
+    refs = [r for r, _, _ in rounds if r]
+    row: dict[str, Any] = {
+        "chunk_kb": chunk_kb,
+        "tls": tls,
+        "checksums": True,
+        "iperf3_gbytes_per_s": round(statistics.median(refs), 3) if refs else None,
+        "put_gbytes_per_s": round(statistics.median(p for _, p, _ in rounds), 3),
+        "get_gbytes_per_s": round(statistics.median(g for _, _, g in rounds), 3),
+    }
+    if refs:
+        row["put_ratio"] = round(statistics.median(p / r for r, p, _ in rounds if r), 3)
+        row["get_ratio"] = round(statistics.median(g / r for r, _, g in rounds if r), 3)
+    return row
+
+
+def _print_row(row: dict[str, Any], first: bool) -> None:
+    if first:
+        head = ("chunk", "tls", "iperf3", "put", "get", "put/iperf", "get/iperf")
+        print("{:>7} {:>4} {:>8} {:>7} {:>7} {:>9} {:>9}".format(*head))
+    ref = row["iperf3_gbytes_per_s"]
+    nan = float("nan")
+    print(
+        f"{row['chunk_kb']:>5}Ki {('on' if row['tls'] else 'off'):>4} "
+        f"{(f'{ref:.2f}' if ref else '-'):>8} "
+        f"{row['put_gbytes_per_s']:>7.2f} {row['get_gbytes_per_s']:>7.2f} "
+        f"{row.get('put_ratio', nan):>9.2f} {row.get('get_ratio', nan):>9.2f}  GB/s"
+    )
+    sys.stdout.flush()
+
+
+def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    lines, best = [], {}
+    for tls in (False, True):
+        mine = [r for r in rows if r["tls"] is tls and "put_ratio" in r]
+        if not mine:
+            continue
+        top = max(mine, key=lambda r: min(r["put_ratio"], r["get_ratio"]))
+        worst = min(top["put_ratio"], top["get_ratio"])
+        best["tls" if tls else "plain"] = top
+        verdict = "meets" if worst >= GOALS[tls] else "misses"
+        lines.append(
+            f"TLS {'on ' if tls else 'off'}: best chunk {top['chunk_kb']} KiB: "
+            f"put {top['put_ratio']:.2f}x, get {top['get_ratio']:.2f}x iperf3 "
+            f"-> {verdict} the {GOALS[tls]:.2f}x goal"
+        )
+    return {"best": best, "lines": lines}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,125 @@
+"""``pdx kv-serve``, ``pdx kv-bench`` and ``pdx certs init``: the KV store from the shell."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    """Attach the KV commands."""
+    app.command("kv-serve")(kv_serve)
+    app.command("kv-bench")(kv_bench)
+    certs = typer.Typer(
+        help="Certificates for mutual TLS between pdx services.", no_args_is_help=True
+    )
+    certs.command("init")(certs_init)
+    app.add_typer(certs, name="certs")
+
+
+def _tls(tls_dir: Path | None, name: str) -> dict[str, Any] | None:
+    return None if tls_dir is None else {"cert_dir": str(tls_dir), "name": name}
+
+
+def kv_serve(
+    config: Path | None = typer.Option(None, "--config", help="YAML file with store settings."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to bind."),
+    port: int = typer.Option(0, "--port", help="Port to bind (0 = pick a free one)."),
+    budget_gb: float | None = typer.Option(None, "--budget-gb", help="Byte budget, GB (1e9)."),
+    ttl_s: int | None = typer.Option(None, "--ttl-s", help="Default TTL, 60-300 s."),
+    tls_dir: Path | None = typer.Option(None, "--tls-dir", help="Directory from `pdx certs init`."),
+    tls_name: str = typer.Option("kv-store", "--tls-name", help="This server's name in --tls-dir."),
+    audit: Path | None = typer.Option(None, "--audit", help="Append the audit log (JSONL) here."),
+    metrics_port: int | None = typer.Option(
+        None, "--metrics-port", help="Serve Prometheus metrics."
+    ),
+    set_: list[str] = typer.Option([], "--set", help="Override a setting: key=value."),
+    as_json: bool = typer.Option(False, "--json", help="Print the ready line as JSON."),
+) -> None:
+    """Run a standalone KV store server until Ctrl-C / SIGTERM."""
+    import asyncio
+
+    from pdx.cli.output import emit
+    from pdx.config import build_config, read_yaml
+    from pdx.serving.contract import KVStoreConfig
+    from pdx.serving.kv_server import serve_kv
+
+    overrides = {
+        "host": host,
+        "port": port,
+        "budget_bytes": int(budget_gb * 1e9) if budget_gb is not None else None,
+        "kv_ttl_seconds": ttl_s,
+        "tls": _tls(tls_dir, tls_name),
+        "audit_path": str(audit) if audit else None,
+    }
+    base = read_yaml(config) if config else {}
+    cfg = build_config(
+        KVStoreConfig, source=str(config or "kv-serve"), base=base, overrides=overrides, dotted=set_
+    )
+
+    def ready(bound: int) -> None:
+        data = {"listening": f"{cfg.host}:{bound}", "port": bound, "tls": cfg.tls is not None}
+        emit(
+            data,
+            as_json=as_json,
+            render=lambda con, d: con.print(
+                f"kv store listening on {d['listening']} (tls {'on' if d['tls'] else 'off'})"
+            ),
+        )
+
+    asyncio.run(serve_kv(cfg, ready, metrics_port=metrics_port))
+
+
+def kv_bench(
+    total_bytes: str = typer.Option(
+        "256MB", "--bytes", help="Bytes to push through, e.g. 256MB, 1GB."
+    ),
+    chunk_kb: int = typer.Option(1024, "--chunk-kb", help="Chunk size in KiB (64-8192)."),
+    tls: bool = typer.Option(False, "--tls", help="Mutual TLS with throw-away certificates."),
+    codec: str = typer.Option(
+        "raw", "--codec", help="Codec for a random bf16 tensor (raw: random bytes as they are)."
+    ),
+    streams: int = typer.Option(2, "--streams", help="Parallel streams per object."),
+    connections: int = typer.Option(1, "--connections", help="TCP connections per client."),
+    repeat: int = typer.Option(3, "--repeat", help="Runs; the median is reported."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Put N bytes into a store on loopback and Get them back; print goodput (GB = 1e9 B)."""
+    from pdx.cli.output import emit
+    from pdx.serving.kv_bench import parse_size, render_bench, run_bench
+
+    result = run_bench(
+        parse_size(total_bytes, "--bytes"),
+        chunk_kb=chunk_kb,
+        tls=tls,
+        codec=codec,
+        streams=streams,
+        connections=connections,
+        repeat=repeat,
+    )
+    emit(result, as_json=as_json, render=render_bench)
+
+
+def certs_init(
+    directory: Path = typer.Argument(..., metavar="DIR", help="Directory to create the files in."),
+    names: list[str] = typer.Option(
+        ["kv-store", "prefill", "decode"], "--name", help="Service identity to issue (repeatable)."
+    ),
+    days: int = typer.Option(30, "--days", min=1, max=3650, help="Validity in days."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON."),
+) -> None:
+    """Create a private CA and one certificate + key per service (for local and test use)."""
+    from pdx.cli.output import emit
+    from pdx.serving.tls import init_certs
+
+    files = init_certs(directory, names, days=days)
+    data = {"dir": str(directory), "files": [p.name for p in files]}
+    emit(data, as_json=as_json, render=_render_certs)
+
+
+def _render_certs(con: Any, d: dict[str, Any]) -> None:
+    con.print(f"wrote {len(d['files'])} files to {d['dir']}:")
+    for name in d["files"]:
+        con.print(f"  {name}")

@@ -1,0 +1,230 @@
+"""``kv-bench``: Put N bytes into a store on loopback and Get them back; report goodput.
+
+The store runs as its own process (``pdx kv-serve``), as it would on the prefill host,
+so client and server do not share one interpreter lock. Goodput counts payload bytes
+(GB = 1e9 bytes) over the whole call, checksums and object digest included, after one
+unmeasured warm-up round.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pdx.errors import InputError, MeasurementError
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.I)
+_FACTORS = {
+    "": 1,
+    "B": 1,
+    "KB": 1e3,
+    "MB": 1e6,
+    "GB": 1e9,
+    "TB": 1e12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+    "K": 1e3,
+    "M": 1e6,
+    "G": 1e9,
+    "T": 1e12,
+}
+
+
+def parse_size(text: str, field_name: str) -> int:
+    """``256MB`` -> 256e6 bytes, ``1GiB`` -> 2**30; plain integers are bytes."""
+    m = _SIZE.match(text)
+    unit = (m.group(2) or "").upper() if m else ""
+    if m is None or unit not in _FACTORS:
+        raise InputError(field_name, text, "a size such as 268435456, 256MB or 1GiB")
+    value = int(float(m.group(1)) * _FACTORS[unit])
+    if value <= 0:
+        raise InputError(field_name, text, "a size above 0")
+    return value
+
+
+@dataclass
+class BenchResult:
+    """Median goodput of ``repeat`` Put+Get rounds of one object."""
+
+    bytes: int
+    payload_bytes: int
+    chunk_kb: int
+    codec: str
+    checksums: bool
+    tls: bool
+    streams: int
+    connections: int
+    repeat: int
+    put_gbytes_per_s: float
+    get_gbytes_per_s: float
+    put_runs_gbytes_per_s: list[float] = field(default_factory=list)
+    get_runs_gbytes_per_s: list[float] = field(default_factory=list)
+    retries: int = 0
+
+
+def _payload(total_bytes: int, codec: str) -> tuple[bytes, Any]:
+    """Random bytes; for a codec other than raw, a bf16 tensor encoded with it."""
+    if codec == "raw":
+        return os.urandom(total_bytes), None
+    import torch
+
+    from pdx.serving.kv_client import encode_tensors
+
+    x = torch.randn(total_bytes // 2, dtype=torch.float32).to(torch.bfloat16)
+    payload, layout = encode_tensors([x], codec, ["value"])
+    return payload, layout
+
+
+class StoreProcess:
+    """``pdx kv-serve`` in a child process; its port is read from the ready line."""
+
+    def __init__(self, args: list[str]) -> None:
+        code = (
+            "import sys; from pdx.cli.main import main; sys.argv = ['pdx', *sys.argv[1:]]; main()"
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", code, "kv-serve", "--json", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        lines = []
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:  # the JSON ready document, pretty-printed
+            lines.append(line)
+            if line.startswith("}"):
+                break
+        try:
+            self.port = int(json.loads("".join(lines))["port"])
+        except (ValueError, KeyError):
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            self.stop()
+            raise MeasurementError(f"kv-serve did not start: {err.strip()[-400:]}") from None
+
+    def stop(self) -> None:
+        """SIGTERM (graceful), then wait."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+async def _rounds(
+    target: str, payload: bytes, layout: Any, cfg: Any, tls: Any, repeat: int
+) -> dict[str, Any]:
+    from pdx.serving.kv_client import KVClient
+
+    put_runs, get_runs = [], []
+    async with KVClient(target, cfg, tls=tls) as kv:
+        # One unmeasured round: connects, and pays the first-touch page faults a fresh
+        # process takes once (a long-running store reuses its heap).
+        warm = await kv.put(payload, layout)
+        back = await kv.get(warm)
+        del back
+        await kv.release(warm)
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            kv_id = await kv.put(payload, layout)
+            t1 = time.perf_counter()
+            obj = await kv.get(kv_id)
+            t2 = time.perf_counter()
+            if len(obj.data) != len(payload):
+                raise MeasurementError("kv-bench: object came back with the wrong size")
+            del obj
+            await kv.release(kv_id)
+            put_runs.append(len(payload) / (t1 - t0) / 1e9)
+            get_runs.append(len(payload) / (t2 - t1) / 1e9)
+        retries = sum(r.retries for r in kv.records())
+    return {"put": put_runs, "get": get_runs, "retries": retries}
+
+
+def run_bench(
+    total_bytes: int,
+    *,
+    chunk_kb: int = 1024,
+    tls: bool = False,
+    codec: str = "raw",
+    streams: int = 2,
+    connections: int = 1,
+    repeat: int = 3,
+) -> BenchResult:
+    """Start a store process, then time ``repeat`` Put+Get rounds of one object."""
+    from pdx.config import build_config
+    from pdx.serving.contract import KVClientConfig, TLSConfig
+
+    cfg = build_config(
+        KVClientConfig,
+        source="kv-bench",
+        base={
+            "chunk_size_kb": chunk_kb,
+            "streams": streams,
+            "connections": connections,
+            "kv_transfer_timeout_ms": 600_000,
+            "client_id": "kv-bench",
+        },
+    )
+    if repeat < 1:
+        raise InputError("--repeat", repeat, "at least 1")
+    from pdx.serving.kv_server import tune_malloc
+
+    tune_malloc()
+    payload, layout = _payload(total_bytes, codec)
+    with tempfile.TemporaryDirectory(prefix="pdx-kv-bench-") as tmp:
+        args = ["--budget-gb", str(max(4.0, 3 * len(payload) / 1e9))]
+        client_tls = None
+        if tls:
+            from pdx.serving.tls import init_certs
+
+            init_certs(Path(tmp))
+            args += ["--tls-dir", tmp]
+            client_tls = TLSConfig(cert_dir=Path(tmp), name="decode")
+        store = StoreProcess(args)
+        try:
+            runs = asyncio.run(
+                _rounds(f"127.0.0.1:{store.port}", payload, layout, cfg, client_tls, repeat)
+            )
+        finally:
+            store.stop()
+    return BenchResult(
+        bytes=total_bytes,
+        payload_bytes=len(payload),
+        chunk_kb=chunk_kb,
+        codec=codec,
+        checksums=True,
+        tls=tls,
+        streams=streams,
+        connections=connections,
+        repeat=repeat,
+        put_gbytes_per_s=round(statistics.median(runs["put"]), 3),
+        get_gbytes_per_s=round(statistics.median(runs["get"]), 3),
+        put_runs_gbytes_per_s=[round(x, 3) for x in runs["put"]],
+        get_runs_gbytes_per_s=[round(x, 3) for x in runs["get"]],
+        retries=runs["retries"],
+    )
+
+
+def render_bench(con: Any, r: BenchResult) -> None:
+    """Human summary of a :class:`BenchResult`."""
+    con.print(
+        f"kv-bench: {r.payload_bytes / 1e6:.1f} MB object, chunk {r.chunk_kb} KiB, codec {r.codec}"
+    )
+    con.print(
+        f"  tls {'on' if r.tls else 'off'}, checksums on, {r.streams} stream(s) over "
+        f"{r.connections} connection(s), median of {r.repeat}"
+    )
+    con.print(f"  put {r.put_gbytes_per_s:.3f} GB/s   get {r.get_gbytes_per_s:.3f} GB/s")

@@ -1,0 +1,592 @@
+"""Client wrapper for the KV store: chunked, checksummed, resumable, bounded in time.
+
+``KVClient(target, cfg, tls=...)`` offers ``put``, ``get``, ``release``, ``renew`` and
+``stat``. Every call has a deadline (``kv_transfer_timeout_ms``, for all attempts
+together); retryable errors are retried with jittered exponential backoff under the
+per-request and global budgets; a corrupt chunk is re-fetched from that chunk, not
+from zero. ``AioRpcError`` becomes :class:`KVError` in one function,
+:func:`map_rpc_error`. Each transfer leaves a :class:`TransferRecord`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import grpc
+import xxhash
+
+from pdx._proto import kv_transfer_pb2 as pb
+from pdx.serving.audit import AuditLog
+from pdx.serving.contract import (
+    CLIENT_ID_METADATA_KEY,
+    ERROR_METADATA_KEY,
+    RESUME_METADATA_KEY,
+    KVClientConfig,
+    KVError,
+    KVErrorCode,
+    KVLayout,
+    TLSConfig,
+)
+from pdx.serving.kv_server import CHANNEL_OPTIONS, SERVICE_NAME
+from pdx.serving.kv_wire import digest64, encode_chunk, parse_chunk
+from pdx.serving.metrics import KVMetrics, TransferRecord
+from pdx.serving.retry import GlobalRetryBudget, backoff_s
+
+if TYPE_CHECKING:
+    import torch
+
+T = TypeVar("T")
+
+# After a link blip gRPC refuses calls until its reconnect backoff (default 1 s, growing)
+# expires; keep that short so a healed link is used again within ~0.1 s.
+RECONNECT_OPTIONS: list[tuple[str, int]] = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+_FROM_STATUS: dict[grpc.StatusCode, KVErrorCode] = {
+    grpc.StatusCode.NOT_FOUND: KVErrorCode.KV_NOT_FOUND,
+    grpc.StatusCode.DATA_LOSS: KVErrorCode.KV_CORRUPT,
+    grpc.StatusCode.DEADLINE_EXCEEDED: KVErrorCode.KV_TIMEOUT,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: KVErrorCode.KV_OVERLOADED,
+    grpc.StatusCode.INVALID_ARGUMENT: KVErrorCode.KV_INVALID,
+    grpc.StatusCode.UNAVAILABLE: KVErrorCode.KV_UNAVAILABLE,
+    grpc.StatusCode.CANCELLED: KVErrorCode.KV_UNAVAILABLE,
+    grpc.StatusCode.UNAUTHENTICATED: KVErrorCode.KV_UNAUTHENTICATED,
+    grpc.StatusCode.PERMISSION_DENIED: KVErrorCode.KV_UNAUTHENTICATED,
+    grpc.StatusCode.INTERNAL: KVErrorCode.KV_INTERNAL,
+}
+
+
+def map_rpc_error(exc: grpc.aio.AioRpcError, kv_id: str = "") -> KVError:
+    """The one mapping from a gRPC failure to a contract error (metadata first, status second)."""
+    meta = {k: v for k, v in (exc.trailing_metadata() or ())}
+    name = meta.get(ERROR_METADATA_KEY)
+    if isinstance(name, str) and name in KVErrorCode.__members__:
+        code = KVErrorCode(name)
+    else:
+        code = _FROM_STATUS.get(exc.code(), KVErrorCode.KV_INTERNAL)
+    resume = meta.get(RESUME_METADATA_KEY)
+    details = exc.details() or exc.code().name
+    prefix = f"{code.value}: "
+    message = details.removeprefix(prefix).split(" [kv1.")[0]
+    return KVError(
+        code,
+        message,
+        kv_id=kv_id,
+        resume_chunk=int(resume) if isinstance(resume, str) and resume.isdigit() else None,
+    )
+
+
+class KVObject:
+    """A fetched, verified object: its description and its chunks (no copy on receipt).
+
+    ``chunks`` are views into the received messages; ``data`` joins them into one
+    buffer on first use; ``tensors()`` decodes with the codec the layout records.
+    """
+
+    def __init__(self, info: pb.ObjectInfo, chunks: list[memoryview]) -> None:
+        self.info = info
+        self.chunks = chunks
+        self._data: bytes | None = None
+
+    @property
+    def kv_id(self) -> str:
+        """The object's id."""
+        return self.info.kv_id
+
+    @property
+    def layout(self) -> KVLayout:
+        """How the bytes map to tensors."""
+        return KVLayout.from_proto(self.info.layout)
+
+    @property
+    def data(self) -> bytes:
+        """The whole object as one buffer (joined once, then cached)."""
+        if self._data is None:
+            self._data = b"".join(self.chunks)
+        return self._data
+
+    def __len__(self) -> int:
+        return int(self.info.size_bytes)
+
+    def tensors(self) -> list[torch.Tensor]:
+        """Decode every tensor with the codec the layout records."""
+        from pdx.kv.codecs import get_codec
+
+        layout = self.layout
+        codec = get_codec(layout.codec)
+        view = memoryview(self.data)
+        out, pos = [], 0
+        for n in layout.tensor_bytes:
+            out.append(codec.decode(view[pos : pos + n]))
+            pos += n
+        return out
+
+
+def encode_tensors(
+    tensors: Sequence[torch.Tensor], codec: str = "raw", roles: Sequence[str] | None = None
+) -> tuple[bytes, KVLayout]:
+    """Encode tensors with a registered codec into one payload and the layout describing it."""
+    from pdx.kv.codecs import get_codec
+    from pdx.kv.codecs.base import dtype_name
+
+    c = get_codec(codec)
+    if roles is None:
+        roles = ["key" if i % 2 == 0 else "value" for i in range(len(tensors))]
+    parts = [c.encode(t, role) for t, role in zip(tensors, roles, strict=True)]  # type: ignore[arg-type]
+    layout = KVLayout(
+        codec=codec,
+        dtype=dtype_name(tensors[0].dtype) if tensors else "",
+        num_layers=len(tensors) // 2,
+        shapes=[list(t.shape) for t in tensors],
+        tensor_bytes=[len(p) for p in parts],
+        roles=list(roles),
+    )
+    return b"".join(parts), layout
+
+
+@dataclass
+class _Request:
+    """Retry and deadline state of one logical request."""
+
+    op: str
+    deadline_s: float
+    kv_id: str = ""
+    retries: int = 0
+    resumed_chunks: int = 0
+    start_s: float = field(default_factory=time.perf_counter)
+
+    def remaining_s(self) -> float:
+        return self.deadline_s - time.monotonic()
+
+
+class KVClient:
+    """Talks to one store. Use as ``async with KVClient(target, cfg) as kv:``."""
+
+    def __init__(
+        self,
+        target: str,
+        cfg: KVClientConfig | None = None,
+        *,
+        tls: TLSConfig | None = None,
+        credentials: grpc.ChannelCredentials | None = None,
+        audit: AuditLog | None = None,
+        metrics: KVMetrics | None = None,
+        retry_budget: GlobalRetryBudget | None = None,
+    ) -> None:
+        self.target = target
+        self.cfg = cfg or KVClientConfig()
+        self.audit = audit or AuditLog()
+        self.metrics = metrics or KVMetrics()
+        self.retry_budget = retry_budget or GlobalRetryBudget(
+            self.cfg.retry_ratio, self.cfg.retry_min_per_s, self.cfg.retry_window_s
+        )
+        if credentials is None and tls is not None:
+            from pdx.serving.tls import channel_credentials
+
+            credentials = channel_credentials(tls)
+        self._channels = [self._channel(i, credentials) for i in range(self.cfg.connections)]
+        self._metadata = ((CLIENT_ID_METADATA_KEY, self.cfg.client_id),)
+
+    def _channel(self, i: int, creds: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
+        # A distinct option per channel keeps each on its own TCP connection.
+        options = [*CHANNEL_OPTIONS, *RECONNECT_OPTIONS, ("pdx.connection", i)]
+        if creds is None:
+            return grpc.aio.insecure_channel(self.target, options=options)
+        return grpc.aio.secure_channel(self.target, creds, options=options)
+
+    def _rpc(self, i: int, kind: str, name: str, **kw: Any) -> Any:
+        ch = self._channels[i % len(self._channels)]
+        return getattr(ch, kind)(f"/{SERVICE_NAME}/{name}", **kw)
+
+    async def __aenter__(self) -> KVClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close every channel."""
+        for ch in self._channels:
+            await ch.close()
+
+    def records(self) -> list[TransferRecord]:
+        """Per-transfer records of this client, oldest first."""
+        return self.metrics.records()
+
+    # --- retries ----------------------------------------------------------------------
+
+    def _begin(self, op: str, kv_id: str = "") -> _Request:
+        self.retry_budget.on_request()
+        return _Request(op, time.monotonic() + self.cfg.kv_transfer_timeout_ms / 1000, kv_id)
+
+    async def _attempt(self, req: _Request, fn: Callable[[float], Awaitable[T]]) -> T:
+        """Run ``fn(timeout_s)`` once, mapping gRPC failures and the deadline to KVError."""
+        remaining = req.remaining_s()
+        if remaining <= 0:
+            raise KVError(KVErrorCode.KV_TIMEOUT, f"{req.op}: deadline passed", kv_id=req.kv_id)
+        try:
+            return await asyncio.wait_for(fn(remaining), timeout=remaining + 0.05)
+        except grpc.aio.AioRpcError as exc:
+            raise map_rpc_error(exc, req.kv_id) from None
+        except TimeoutError:
+            raise KVError(
+                KVErrorCode.KV_TIMEOUT, f"{req.op}: deadline passed", kv_id=req.kv_id
+            ) from None
+
+    async def _before_retry(self, req: _Request, exc: KVError) -> None:
+        """Decide whether ``exc`` may be retried; wait the backoff, or raise."""
+        exc.retries = req.retries
+        if not exc.retryable or req.remaining_s() <= 0 or self.cfg.kv_retry_budget == 0:
+            raise exc
+        if req.retries >= self.cfg.kv_retry_budget:
+            raise KVError(
+                KVErrorCode.RETRY_BUDGET_EXHAUSTED,
+                f"{req.op}: {req.retries} retries used (kv_retry_budget); "
+                f"last error {exc.code.value}: {exc.message}",
+                kv_id=req.kv_id,
+                retries=req.retries,
+            ) from exc
+        if not self.retry_budget.try_retry():
+            raise KVError(
+                KVErrorCode.RETRY_BUDGET_EXHAUSTED,
+                f"{req.op}: global retry budget spent; last error {exc.code.value}: {exc.message}",
+                kv_id=req.kv_id,
+                retries=req.retries,
+            ) from exc
+        req.retries += 1
+        self.metrics.retries.labels(op=req.op).inc()
+        self.audit.record(
+            "retry",
+            who=self.cfg.client_id,
+            peer=self.target,
+            side="client",
+            op=req.op,
+            kv_id=req.kv_id or exc.kv_id or None,
+            outcome=exc.code.value,
+            reason=exc.message,
+            resume_chunk=exc.resume_chunk,
+            retries=req.retries,
+        )
+        delay = backoff_s(req.retries, self.cfg.backoff_base_ms, self.cfg.backoff_max_ms)
+        await asyncio.sleep(min(delay, max(req.remaining_s(), 0)))
+
+    async def _unary(self, req: _Request, name: str, request: Any, reply: Any) -> Any:
+        call = self._rpc(
+            0,
+            "unary_unary",
+            name,
+            request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=reply.FromString,
+        )
+
+        async def once(timeout_s: float) -> Any:
+            return await call(request, timeout=timeout_s, metadata=self._metadata)
+
+        while True:
+            try:
+                return await self._attempt(req, once)
+            except KVError as exc:
+                await self._before_retry(req, exc)
+
+    def _finish(self, req: _Request, nbytes: int, chunks: int, outcome: str) -> TransferRecord:
+        ms = (time.perf_counter() - req.start_s) * 1000
+        rec = TransferRecord(
+            req.kv_id,
+            req.op,
+            nbytes,
+            round(ms, 3),
+            req.retries,
+            outcome,
+            chunks,
+            req.resumed_chunks,
+        )
+        self.metrics.add_record(rec)
+        self.metrics.duration.labels(op=req.op, side="client").observe(ms / 1000)
+        if outcome != "ok":
+            self.metrics.errors.labels(code=outcome, side="client").inc()
+        else:
+            self.metrics.bytes.labels(op=req.op, side="client").inc(nbytes)
+            self.metrics.chunks.labels(op=req.op, side="client").inc(chunks)
+        self.audit.record(
+            req.op,
+            who=self.cfg.client_id,
+            peer=self.target,
+            side="client",
+            **{k: v for k, v in rec.as_dict().items() if k != "op"},
+        )
+        return rec
+
+    # --- put --------------------------------------------------------------------------
+
+    async def put(
+        self,
+        data: bytes | bytearray | memoryview | Sequence[torch.Tensor],
+        layout: KVLayout | None = None,
+        *,
+        codec: str = "raw",
+        model_version: str = "unversioned",
+        ttl_s: int = 0,
+    ) -> str:
+        """Store tensors (encoded with ``codec``) or ready bytes; return the new kv_id."""
+        if isinstance(data, bytes | bytearray | memoryview):
+            payload: bytes | bytearray | memoryview = data
+            layout = layout or KVLayout(codec="")
+        else:
+            payload, layout = encode_tensors(data, codec, layout.roles if layout else None)
+        view = memoryview(payload).cast("B")
+        req = self._begin("put")
+        try:
+            info = await self._put_object(req, view, layout, model_version, ttl_s)
+        except KVError as exc:
+            self._finish(req, 0, 0, exc.code.value)
+            raise
+        req.kv_id = info.kv_id
+        self._finish(req, info.size_bytes, info.num_chunks, "ok")
+        return info.kv_id
+
+    async def _put_object(
+        self, req: _Request, view: memoryview, layout: KVLayout, model_version: str, ttl_s: int
+    ) -> pb.ObjectInfo:
+        size = len(view)
+        chunk = self.cfg.chunk_size_bytes
+        n = -(-size // chunk)
+        digests, whole = _digests(view, chunk, n)
+        header = pb.PutHeader(
+            model_version=model_version,
+            ttl_s=ttl_s,
+            layout=layout.to_proto(),
+            size_bytes=size,
+            chunk_size_bytes=chunk,
+            object_digest=whole,
+            upload_token=secrets.token_bytes(16),
+        )
+        ranges = _split(n, self.cfg.streams)
+        results = await asyncio.gather(
+            *(
+                self._put_range(req, k, header, view, digests, a, b)
+                for k, (a, b) in enumerate(ranges)
+            )
+        )
+        done = [r for r in results if r.missing_chunks == 0]
+        if not done:
+            raise KVError(KVErrorCode.KV_INTERNAL, "upload ended with chunks missing")
+        return done[0].info
+
+    async def _put_range(
+        self,
+        req: _Request,
+        k: int,
+        header: pb.PutHeader,
+        view: memoryview,
+        digests: list[int],
+        start: int,
+        end: int,
+    ) -> pb.PutResponse:
+        call = self._rpc(k, "stream_unary", "Put", response_deserializer=pb.PutResponse.FromString)
+        chunk = header.chunk_size_bytes
+        first = start
+        while True:
+            hdr = pb.PutHeader()
+            hdr.CopyFrom(header)
+            hdr.start_chunk = first
+
+            async def messages(h: pb.PutHeader = hdr, a: int = first) -> AsyncIterator[bytes]:
+                yield pb.PutRequest(header=h).SerializeToString()
+                for i in range(a, end):
+                    yield encode_chunk(i, view[i * chunk : (i + 1) * chunk], digests[i])
+
+            async def once(
+                timeout_s: float, gen: Callable[[], AsyncIterator[bytes]] = messages
+            ) -> Any:
+                return await call(gen(), timeout=timeout_s, metadata=self._metadata)
+
+            try:
+                return await self._attempt(req, once)
+            except KVError as exc:
+                await self._before_retry(req, exc)
+                if exc.code is KVErrorCode.KV_CORRUPT and exc.resume_chunk is not None:
+                    first = min(max(exc.resume_chunk, start), end)
+                    req.resumed_chunks += first - start
+                else:
+                    first = start
+
+    # --- get --------------------------------------------------------------------------
+
+    async def get(self, kv_id: str) -> KVObject:
+        """Fetch and verify a whole object (every chunk and the object digest)."""
+        req = self._begin("get", kv_id)
+        try:
+            obj = await self._get_object(req, kv_id)
+        except KVError as exc:
+            self._finish(req, 0, 0, exc.code.value)
+            raise
+        self._finish(req, obj.info.size_bytes, obj.info.num_chunks, "ok")
+        return obj
+
+    async def _get_object(self, req: _Request, kv_id: str) -> KVObject:
+        got = _Assembly(kv_id)
+        ranges = [(0, 0)]
+        if self.cfg.streams > 1:
+            stat = await self._unary(req, "Stat", pb.StatRequest(kv_id=kv_id), pb.StatResponse)
+            got.accept_info(stat.info)
+            ranges = _split(stat.info.num_chunks, self.cfg.streams)
+        await asyncio.gather(
+            *(self._get_range(req, k, got, a, b) for k, (a, b) in enumerate(ranges))
+        )
+        return got.finish()
+
+    async def _get_range(self, req: _Request, k: int, got: _Assembly, start: int, end: int) -> None:
+        call = self._rpc(
+            k, "unary_stream", "Get", request_serializer=pb.GetRequest.SerializeToString
+        )
+        state = {"next": start}
+
+        async def once(timeout_s: float) -> None:
+            request = pb.GetRequest(kv_id=got.kv_id, from_chunk=state["next"], to_chunk=end)
+            stream = call(request, timeout=timeout_s, metadata=self._metadata)
+            try:
+                await self._receive(stream, got, state)
+            finally:
+                stream.cancel()
+
+        while True:
+            try:
+                await self._attempt(req, once)
+                return
+            except KVError as exc:
+                if exc.code is KVErrorCode.KV_CORRUPT:
+                    self.metrics.corrupt.labels(side="client").inc()
+                await self._before_retry(req, exc)
+                if exc.code is KVErrorCode.KV_CORRUPT:
+                    req.resumed_chunks += state["next"] - start
+
+    async def _receive(self, stream: Any, got: _Assembly, state: dict[str, int]) -> None:
+        first = True
+        async for raw in stream:
+            if first:
+                got.accept_info(pb.GetResponse.FromString(raw).info)
+                first = False
+                continue
+            got.add(state["next"], raw)
+            state["next"] += 1
+
+    # --- small calls ------------------------------------------------------------------
+
+    async def _small(self, op: str, kv_id: str, name: str, request: Any, reply: Any) -> Any:
+        req = self._begin(op, kv_id)
+        try:
+            result = await self._unary(req, name, request, reply)
+        except KVError as exc:
+            self._finish(req, 0, 0, exc.code.value)
+            raise
+        self._finish(req, 0, 0, "ok")
+        return result
+
+    async def release(self, kv_id: str) -> int:
+        """Acknowledge consumption: the store deletes the object now. Returns its size."""
+        resp = await self._small(
+            "release", kv_id, "Release", pb.ReleaseRequest(kv_id=kv_id), pb.ReleaseResponse
+        )
+        return int(resp.size_bytes)
+
+    async def renew(self, kv_id: str, lease_s: int = 0) -> pb.ObjectInfo:
+        """Lease heartbeat: keep the object past its TTL while still needed."""
+        resp = await self._small(
+            "renew", kv_id, "Renew", pb.RenewRequest(kv_id=kv_id, lease_s=lease_s), pb.RenewResponse
+        )
+        return resp.info
+
+    async def stat(self, kv_id: str) -> pb.ObjectInfo:
+        """Describe an object without moving its bytes."""
+        resp = await self._small(
+            "stat", kv_id, "Stat", pb.StatRequest(kv_id=kv_id), pb.StatResponse
+        )
+        return resp.info
+
+
+class _Assembly:
+    """Chunks of one object arriving over one or more streams, each verified on receipt."""
+
+    def __init__(self, kv_id: str) -> None:
+        self.kv_id = kv_id
+        self.info: pb.ObjectInfo | None = None
+        self.chunks: list[memoryview | None] = []
+        self.whole = xxhash.xxh3_64()
+        self.hashed = 0
+
+    def accept_info(self, info: pb.ObjectInfo) -> None:
+        """Check the object description (and that it did not change between streams)."""
+        known = self.info
+        if known is not None and (
+            known.object_digest != info.object_digest or known.size_bytes != info.size_bytes
+        ):
+            raise self.corrupt(None, "object changed between reads")
+        if info.kv_id != self.kv_id or len(info.chunk_digests) != info.num_chunks:
+            raise self.corrupt(None, "malformed object info")
+        if known is None:
+            self.info = info
+            self.chunks = [None] * info.num_chunks
+
+    def add(self, index: int, raw: bytes) -> None:
+        """Verify chunk ``index`` (index, length, digest vs message and vs info) and keep it."""
+        info = self.info
+        if info is None:
+            raise self.corrupt(index, "chunk before object info")
+        try:
+            chunk = parse_chunk(raw)
+        except ValueError as exc:
+            raise self.corrupt(index, str(exc)) from None
+        expected_len = min(info.chunk_size_bytes, info.size_bytes - index * info.chunk_size_bytes)
+        if chunk.index != index or index >= info.num_chunks or len(chunk.data) != expected_len:
+            raise self.corrupt(index, f"got chunk {chunk.index} of {len(chunk.data)} bytes")
+        if chunk.digest != info.chunk_digests[index] or digest64(chunk.data) != chunk.digest:
+            raise self.corrupt(index, "digest mismatch")
+        self.chunks[index] = chunk.data
+        self._hash_prefix()
+
+    def _hash_prefix(self) -> None:
+        while self.hashed < len(self.chunks) and self.chunks[self.hashed] is not None:
+            self.whole.update(self.chunks[self.hashed])  # type: ignore[arg-type]
+            self.hashed += 1
+
+    def finish(self) -> KVObject:
+        """Check the whole-object digest (grown in chunk order as chunks arrived)."""
+        info = self.info
+        self._hash_prefix()
+        if info is None or self.hashed != len(self.chunks):
+            raise self.corrupt(0, "object incomplete")
+        got = self.whole.intdigest()
+        if got != info.object_digest:
+            raise self.corrupt(0, f"object digest {got:016x} != {info.object_digest:016x}")
+        return KVObject(info, self.chunks)  # type: ignore[arg-type]
+
+    def corrupt(self, index: int | None, why: str) -> KVError:
+        """A KV_CORRUPT error resuming at ``index``."""
+        where = f"chunk {index}: " if index is not None else ""
+        return KVError(KVErrorCode.KV_CORRUPT, where + why, kv_id=self.kv_id, resume_chunk=index)
+
+
+def _digests(view: memoryview, chunk: int, n: int) -> tuple[list[int], int]:
+    """Per-chunk digests and the whole-object digest, in one pass while chunks are hot."""
+    whole = xxhash.xxh3_64()
+    digests = []
+    for i in range(n):
+        part = view[i * chunk : (i + 1) * chunk]
+        digests.append(digest64(part))
+        whole.update(part)
+    return digests, whole.intdigest()
+
+
+def _split(n: int, parts: int) -> list[tuple[int, int]]:
+    """``n`` chunks into at most ``parts`` contiguous, non-empty ranges (one empty if n=0)."""
+    parts = max(1, min(parts, n))
+    step = -(-n // parts) if n else 0
+    return [(a, min(a + step, n)) for a in range(0, n, step)] if n else [(0, 0)]

@@ -1,0 +1,474 @@
+"""The KV store as a grpc.aio service: Put/Get/Release/Renew/Stat, health, mTLS, audit.
+
+``server, port = await create_kv_server(cfg)`` returns a started server (port 0 binds an
+ephemeral port). Domain errors (:class:`KVError`) become a gRPC status plus the
+``pdx-kv-error`` trailing metadata in exactly one place, :class:`ErrorMappingInterceptor`.
+Chunk messages travel as raw bytes (see ``kv_wire``): the server parses them without
+copying and streams stored messages back unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from pdx._proto import kv_transfer_pb2 as pb
+from pdx.serving.audit import AuditLog, digest_hex
+from pdx.serving.contract import (
+    CLIENT_ID_METADATA_KEY,
+    ERROR_METADATA_KEY,
+    GRPC_STATUS,
+    RESUME_METADATA_KEY,
+    Clock,
+    KVError,
+    KVErrorCode,
+    KVStoreConfig,
+)
+from pdx.serving.kv_wire import is_chunk_message, parse_chunk
+from pdx.serving.metrics import KVMetrics
+from pdx.serving.store import KVStore, StoredObject
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+
+# Large HTTP/2 frames and write buffers: fewer syscalls and frame headers per chunk.
+CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
+    ("grpc.http2.write_buffer_size", 8 * 1024 * 1024),
+]
+
+
+def _abort_args(exc: KVError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
+    status = getattr(grpc.StatusCode, GRPC_STATUS[exc.code])
+    meta: tuple[tuple[str, str], ...] = ((ERROR_METADATA_KEY, exc.code.value),)
+    if exc.resume_chunk is not None:
+        meta += ((RESUME_METADATA_KEY, str(exc.resume_chunk)),)
+    return status, str(exc), meta
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
+    if not isinstance(exc, KVError):
+        log.exception("internal error in KV service", exc_info=exc)
+        exc = KVError(KVErrorCode.KV_INTERNAL, f"{type(exc).__name__}: {exc}")
+    status, details, meta = _abort_args(exc)
+    await context.abort(status, details, trailing_metadata=meta)
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """The one place where domain errors become gRPC status + ``pdx-kv-error`` metadata."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        method = getattr(handler_call_details, "method", "")
+        if handler is None or not method.startswith(f"/{SERVICE_NAME}/"):
+            return handler
+        kw = {
+            "request_deserializer": handler.request_deserializer,
+            "response_serializer": handler.response_serializer,
+        }
+        if handler.unary_unary:
+            return grpc.unary_unary_rpc_method_handler(_wrap_call(handler.unary_unary), **kw)
+        if handler.stream_unary:
+            return grpc.stream_unary_rpc_method_handler(_wrap_call(handler.stream_unary), **kw)
+        if handler.unary_stream:
+            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream), **kw)
+        return handler
+
+
+def _passthrough(exc: BaseException) -> bool:
+    """gRPC's own control flow (abort, cancellation, server stopping) is not ours to map."""
+    return isinstance(exc, asyncio.CancelledError | grpc.aio.AbortError) or type(
+        exc
+    ).__module__.startswith("grpc")
+
+
+def _wrap_call(fn: Callable[..., Any]) -> Callable[..., Any]:
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        try:
+            return await fn(request, context)
+        except (KVError, Exception) as exc:
+            if _passthrough(exc):
+                raise
+            await _abort(context, exc)
+
+    return call
+
+
+def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
+    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        try:
+            async for item in fn(request, context):
+                yield item
+        except (KVError, Exception) as exc:
+            if _passthrough(exc):
+                raise
+            await _abort(context, exc)
+
+    return stream
+
+
+def peer_identity(context: grpc.aio.ServicerContext) -> str:
+    """Who is calling: the mTLS certificate's common name, else the declared client id."""
+    auth = context.auth_context() or {}
+    cn = auth.get("x509_common_name")
+    if cn:
+        return "cn=" + cn[0].decode(errors="replace")
+    for key, value in context.invocation_metadata() or ():
+        if key == CLIENT_ID_METADATA_KEY:
+            return "client=" + str(value)[:128]
+    return "anonymous"
+
+
+@dataclass
+class _Op:
+    """One audited operation in flight."""
+
+    event: str
+    who: str
+    peer: str
+    kv_id: str = ""
+    bytes: int = 0
+    start_s: float = field(default_factory=time.perf_counter)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class KVService:
+    """The RPC handlers over one :class:`KVStore`."""
+
+    def __init__(self, store: KVStore, cfg: KVStoreConfig) -> None:
+        self.store = store
+        self.cfg = cfg
+        self.audit = store.audit
+        self.metrics = store.metrics
+        self._slots = asyncio.Semaphore(cfg.max_inflight_kv)
+
+    # --- plumbing ---------------------------------------------------------------------
+
+    @contextlib.asynccontextmanager
+    async def _audited(self, event: str, context: grpc.aio.ServicerContext) -> AsyncIterator[_Op]:
+        op = _Op(event, peer_identity(context), context.peer())
+        outcome = "ok"
+        try:
+            yield op
+        except KVError as exc:
+            outcome = exc.code.value
+            self.metrics.errors.labels(code=outcome, side="store").inc()
+            op.extra.setdefault("reason", exc.message)
+            raise
+        except (asyncio.CancelledError, GeneratorExit):
+            outcome = "cancelled"
+            raise
+        except Exception:
+            outcome = KVErrorCode.KV_INTERNAL.value
+            raise
+        finally:
+            ms = (time.perf_counter() - op.start_s) * 1000
+            self.audit.record(
+                op.event,
+                who=op.who,
+                peer=op.peer,
+                kv_id=op.kv_id or None,
+                bytes=op.bytes,
+                outcome=outcome,
+                ms=round(ms, 3),
+                **op.extra,
+            )
+
+    @contextlib.asynccontextmanager
+    async def _slot(self, context: grpc.aio.ServicerContext, op: str) -> AsyncIterator[None]:
+        """``max_inflight_kv`` back-pressure: wait (bounded by the call's deadline) or refuse."""
+        wait_s = self.cfg.inflight_wait_ms / 1000
+        remaining = context.time_remaining()
+        if remaining is not None:
+            wait_s = min(wait_s, max(remaining, 0.0))
+        try:
+            if self._slots.locked():
+                if wait_s <= 0:
+                    raise TimeoutError
+                await asyncio.wait_for(self._slots.acquire(), timeout=wait_s)
+            else:
+                await self._slots.acquire()
+        except TimeoutError:
+            raise KVError(
+                KVErrorCode.KV_OVERLOADED,
+                f"{self.cfg.max_inflight_kv} transfers in flight (max_inflight_kv)",
+            ) from None
+        gauge = self.metrics.inflight.labels(side="store")
+        gauge.inc()
+        try:
+            yield
+        finally:
+            gauge.dec()
+            self._slots.release()
+
+    # --- handlers ---------------------------------------------------------------------
+
+    async def put(
+        self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
+    ) -> pb.PutResponse:
+        """Client-streaming upload: a header, then chunks in order from ``start_chunk``."""
+        async with self._audited("put", context) as op, self._slot(context, "put"):
+            first = await anext(requests, None)
+            if first is None or is_chunk_message(first):
+                raise KVError(KVErrorCode.KV_INVALID, "a Put stream must start with a header")
+            header = pb.PutRequest.FromString(first).header
+            obj = self.store.begin_put(header, op.who)
+            op.kv_id = obj.kv_id
+            op.extra["start_chunk"] = header.start_chunk
+            try:
+                op.bytes = await self._receive(obj, header.start_chunk, requests)
+            except BaseException:
+                self.store.abandon(obj, "upload failed")
+                raise
+            missing = self.store.finish_put(obj)
+            op.extra["missing_chunks"] = missing
+            return pb.PutResponse(info=self.store.info(obj), missing_chunks=missing)
+
+    async def _receive(self, obj: StoredObject, index: int, requests: AsyncIterator[bytes]) -> int:
+        received = 0
+        start = time.perf_counter()
+        async for raw in requests:
+            try:
+                chunk = parse_chunk(raw)
+            except ValueError as exc:
+                raise KVError(
+                    KVErrorCode.KV_CORRUPT,
+                    f"chunk {index}: {exc}",
+                    kv_id=obj.kv_id,
+                    resume_chunk=index,
+                ) from None
+            if chunk.index != index:
+                raise KVError(
+                    KVErrorCode.KV_CORRUPT,
+                    f"chunk index {chunk.index}, expected {index}",
+                    kv_id=obj.kv_id,
+                    resume_chunk=index,
+                )
+            self.store.put_chunk(obj, chunk, raw)
+            received += len(chunk.data)
+            index += 1
+        self._count("put", received, index, start)
+        return received
+
+    async def get(
+        self, request: pb.GetRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[bytes]:
+        """Server-streaming read: info, then stored chunk messages from ``from_chunk``."""
+        async with self._audited("get", context) as op:
+            op.kv_id = request.kv_id
+            async with self._slot(context, "get"):
+                async for message in self._stream(op, request):
+                    yield message
+
+    async def _stream(self, op: _Op, request: pb.GetRequest) -> AsyncIterator[bytes]:
+        obj = self.store.lookup(request.kv_id)
+        end = request.to_chunk or obj.num_chunks
+        if not request.from_chunk <= end <= obj.num_chunks:
+            raise KVError(
+                KVErrorCode.KV_INVALID,
+                f"chunk range {request.from_chunk}..{end} outside 0..{obj.num_chunks}",
+                kv_id=obj.kv_id,
+            )
+        op.extra["from_chunk"] = request.from_chunk
+        obj.readers += 1
+        start = time.perf_counter()
+        try:
+            yield pb.GetResponse(info=self.store.info(obj)).SerializeToString()
+            for i in range(request.from_chunk, end):
+                message = obj.messages[i]
+                if message is None:  # complete objects have every chunk; never sent half-made
+                    raise KVError(KVErrorCode.KV_INTERNAL, f"chunk {i} missing", kv_id=obj.kv_id)
+                yield message
+                op.bytes += obj.chunk_len(i)
+        finally:
+            obj.readers -= 1
+        self._count("get", op.bytes, end - request.from_chunk, start)
+
+    async def release(
+        self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseResponse:
+        """The consumer's acknowledgement: delete now."""
+        async with self._audited("release", context) as op:
+            op.kv_id = request.kv_id
+            obj = self.store.release(request.kv_id, op.who)
+            op.bytes = obj.size_bytes
+            op.extra["object_digest"] = digest_hex(obj.object_digest)
+            return pb.ReleaseResponse(size_bytes=obj.size_bytes, object_digest=obj.object_digest)
+
+    async def renew(
+        self, request: pb.RenewRequest, context: grpc.aio.ServicerContext
+    ) -> pb.RenewResponse:
+        """Lease heartbeat."""
+        async with self._audited("renew", context) as op:
+            op.kv_id = request.kv_id
+            obj = self.store.renew(request.kv_id, request.lease_s)
+            return pb.RenewResponse(info=self.store.info(obj))
+
+    async def stat(
+        self, request: pb.StatRequest, context: grpc.aio.ServicerContext
+    ) -> pb.StatResponse:
+        """Describe an object without moving it."""
+        async with self._audited("stat", context) as op:
+            op.kv_id = request.kv_id
+            return pb.StatResponse(info=self.store.info(self.store.lookup(request.kv_id)))
+
+    def _count(self, op: str, nbytes: int, chunks: int, start: float) -> None:
+        self.metrics.bytes.labels(op=op, side="store").inc(nbytes)
+        self.metrics.chunks.labels(op=op, side="store").inc(chunks)
+        self.metrics.duration.labels(op=op, side="store").observe(time.perf_counter() - start)
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """Method table. Chunk-carrying directions use raw bytes (no protobuf runtime copy)."""
+        return grpc.method_handlers_generic_handler(
+            SERVICE_NAME,
+            {
+                "Put": grpc.stream_unary_rpc_method_handler(
+                    self.put, response_serializer=pb.PutResponse.SerializeToString
+                ),
+                "Get": grpc.unary_stream_rpc_method_handler(
+                    self.get, request_deserializer=pb.GetRequest.FromString
+                ),
+                "Release": _unary(self.release, pb.ReleaseRequest),
+                "Renew": _unary(self.renew, pb.RenewRequest),
+                "Stat": _unary(self.stat, pb.StatRequest),
+            },
+        )
+
+
+def _unary(fn: Callable[..., Any], request_type: Any) -> grpc.RpcMethodHandler:
+    return grpc.unary_unary_rpc_method_handler(
+        fn,
+        request_deserializer=request_type.FromString,
+        response_serializer=lambda m: m.SerializeToString(),
+    )
+
+
+class KVServer:
+    """A started store server: the gRPC server, its store, health and sweeper."""
+
+    def __init__(
+        self, grpc_server: grpc.aio.Server, service: KVService, health_servicer: Any
+    ) -> None:
+        self.grpc_server = grpc_server
+        self.service = service
+        self.store = service.store
+        self.audit = service.audit
+        self.metrics = service.metrics
+        self.health = health_servicer
+        self._sweeper: asyncio.Task[None] | None = None
+
+    async def _sweep_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.service.cfg.sweep_interval_s)
+            self.store.sweep()
+
+    async def stop(self, grace_s: float | None = 1.0) -> None:
+        """Graceful shutdown: health NOT_SERVING, then ``stop(grace)``; sweeper stopped."""
+        await self.health.enter_graceful_shutdown()
+        await self.grpc_server.stop(grace_s)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        self.audit.close()
+
+    async def wait_for_termination(self) -> None:
+        """Block until the server stops."""
+        await self.grpc_server.wait_for_termination()
+
+
+async def create_kv_server(
+    cfg: KVStoreConfig,
+    *,
+    clock: Clock | None = None,
+    audit: AuditLog | None = None,
+    metrics: KVMetrics | None = None,
+) -> tuple[KVServer, int]:
+    """Build, bind (port 0 = ephemeral) and start a store server; return it and its port."""
+    audit = audit or AuditLog(cfg.audit_path)
+    store = KVStore(cfg, clock=clock, audit=audit, metrics=metrics)
+    service = KVService(store, cfg)
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
+    server.add_generic_rpc_handlers((service.handler(),))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    address = f"{cfg.host}:{cfg.port}"
+    if cfg.tls is not None:
+        from pdx.serving.tls import server_credentials
+
+        port = server.add_secure_port(address, server_credentials(cfg.tls))
+    else:
+        port = server.add_insecure_port(address)
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    kv_server = KVServer(server, service, health_servicer)
+    kv_server._sweeper = asyncio.create_task(kv_server._sweep_forever())
+    return kv_server, port
+
+
+def tune_malloc() -> bool:
+    """Keep glibc from returning (and re-faulting) MiB-sized buffers on every message.
+
+    Chunk messages are 0.25-8 MiB; by default glibc serves each with mmap and unmaps it
+    on free, so every chunk pays page faults. Raising the mmap and trim thresholds
+    keeps them on the heap. Process-wide: call it only in a dedicated process.
+    Returns False where it does not apply (not glibc).
+    """
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    if name is None:
+        return False
+    try:
+        libc = ctypes.CDLL(name)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3
+    ok = mallopt(m_mmap_threshold, 32 * 1024 * 1024) and mallopt(m_trim_threshold, 1 << 30)
+    return bool(ok)
+
+
+async def serve_kv(
+    cfg: KVStoreConfig,
+    on_ready: Callable[[int], None],
+    *,
+    metrics_port: int | None = None,
+    grace_s: float = 5.0,
+) -> None:
+    """Run a store until SIGINT/SIGTERM, then shut down gracefully (``kv-serve``)."""
+    import signal
+
+    tune_malloc()  # a dedicated store process: keep chunk buffers off mmap/munmap
+    server, port = await create_kv_server(cfg)
+    if metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(metrics_port, addr=cfg.host, registry=server.metrics.registry)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        on_ready(port)
+        await stop.wait()
+    finally:
+        await server.stop(grace_s)

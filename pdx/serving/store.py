@@ -1,0 +1,343 @@
+"""The KV store held by the prefill side: byte budget, TTL + lease, release, LRU eviction.
+
+Objects are kept as the encoded chunk messages that arrived (see ``kv_wire``), so a
+Get sends the very bytes that were verified on Put. Every chunk is checked against
+its XXH3-64 digest on arrival and the whole object against its digest before it becomes
+readable. Deletions (release, expiry, eviction, abandoned uploads) are audited with
+their reason and the object digest.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+import xxhash
+
+from pdx._proto import kv_transfer_pb2 as pb
+from pdx.serving.audit import AuditLog, digest_hex
+from pdx.serving.contract import (
+    CHUNK_MIN_KB,
+    TTL_MAX_S,
+    TTL_MIN_S,
+    Clock,
+    KVError,
+    KVErrorCode,
+    KVStoreConfig,
+    SystemClock,
+    check_model_version,
+    new_kv_id,
+    parse_kv_id,
+)
+from pdx.serving.kv_wire import ChunkView, digest64
+from pdx.serving.metrics import KVMetrics
+from pdx.units import KIB
+
+_TOMBSTONES = 100_000  # remembered deleted ids, so a late Get says why (expired/released)
+_MAX_CHUNKS = 1 << 20
+
+
+@dataclass
+class StoredObject:
+    """One object, complete or still uploading."""
+
+    kv_id: str
+    model_version: str
+    created_at_ms: int
+    created_s: float
+    ttl_s: int
+    layout: pb.Layout
+    size_bytes: int
+    chunk_size_bytes: int
+    num_chunks: int
+    object_digest: int
+    upload_token: bytes
+    owner: str
+    messages: list[bytes | None] = field(default_factory=list)
+    data: list[memoryview | None] = field(default_factory=list)
+    digests: list[int] = field(default_factory=list)
+    complete: bool = False
+    lease_until_s: float = 0.0
+    readers: int = 0
+    hasher: Any = field(default_factory=xxhash.xxh3_64)
+    hashed: int = 0  # chunks [0, hashed) are in ``hasher``: the object digest grows in order
+
+    def hash_prefix(self) -> None:
+        """Feed every newly contiguous chunk into the running object digest."""
+        while self.hashed < self.num_chunks and self.data[self.hashed] is not None:
+            self.hasher.update(self.data[self.hashed])
+            self.hashed += 1
+
+    def chunk_len(self, index: int) -> int:
+        """Payload length of chunk ``index`` (the last one may be short)."""
+        start = index * self.chunk_size_bytes
+        return min(self.chunk_size_bytes, self.size_bytes - start)
+
+    def expires_at_s(self) -> float:
+        """TTL from creation, extended by a lease, never past the contract's maximum."""
+        base = max(self.created_s + self.ttl_s, self.lease_until_s)
+        return min(base, self.created_s + TTL_MAX_S)
+
+    def missing(self) -> int:
+        """Chunks not received yet."""
+        return sum(1 for m in self.messages if m is None)
+
+
+class KVStore:
+    """In-memory object store with the contract's lifetime rules. Not thread-safe: one loop."""
+
+    def __init__(
+        self,
+        cfg: KVStoreConfig,
+        *,
+        clock: Clock | None = None,
+        audit: AuditLog | None = None,
+        metrics: KVMetrics | None = None,
+    ) -> None:
+        self.cfg = cfg
+        self.clock = clock or SystemClock()
+        self.audit = audit or AuditLog()
+        self.metrics = metrics or KVMetrics()
+        self._objects: OrderedDict[str, StoredObject] = OrderedDict()  # LRU order
+        self._uploads: dict[bytes, StoredObject] = {}
+        self._tombstones: OrderedDict[str, str] = OrderedDict()
+        self.used_bytes = 0
+
+    # --- put --------------------------------------------------------------------------
+
+    def begin_put(self, header: pb.PutHeader, owner: str) -> StoredObject:
+        """Start (or rejoin, by upload token) an upload; reserves its bytes in the budget."""
+        pending = self._uploads.get(header.upload_token) if header.upload_token else None
+        if pending is not None:
+            self._check_rejoin(pending, header)
+            return pending
+        self._check_header(header)
+        self._make_room(header.size_bytes)
+        now_ms = self.clock.wall_ms()
+        n = -(-header.size_bytes // header.chunk_size_bytes)
+        obj = StoredObject(
+            kv_id=new_kv_id(header.model_version, now_ms),
+            model_version=header.model_version,
+            created_at_ms=now_ms,
+            created_s=self.clock.now_s(),
+            ttl_s=header.ttl_s or self.cfg.kv_ttl_seconds,
+            layout=header.layout,
+            size_bytes=header.size_bytes,
+            chunk_size_bytes=header.chunk_size_bytes,
+            num_chunks=n,
+            object_digest=header.object_digest,
+            upload_token=header.upload_token,
+            owner=owner,
+            messages=[None] * n,
+            data=[None] * n,
+            digests=[0] * n,
+        )
+        self.used_bytes += obj.size_bytes
+        if header.upload_token:
+            self._uploads[header.upload_token] = obj
+        self._gauges()
+        return obj
+
+    def _check_header(self, h: pb.PutHeader) -> None:
+        check_model_version(h.model_version)
+        problems = []
+        if h.ttl_s and not TTL_MIN_S <= h.ttl_s <= TTL_MAX_S:
+            problems.append(f"ttl_s {h.ttl_s}: expected {TTL_MIN_S}-{TTL_MAX_S}")
+        max_chunk = self.cfg.chunk_size_kb_max * KIB
+        if not CHUNK_MIN_KB * KIB <= h.chunk_size_bytes <= max_chunk:
+            problems.append(
+                f"chunk_size_bytes {h.chunk_size_bytes}: expected {CHUNK_MIN_KB * KIB}-{max_chunk}"
+            )
+        elif -(-h.size_bytes // h.chunk_size_bytes) > _MAX_CHUNKS:
+            problems.append(f"size_bytes {h.size_bytes}: more than {_MAX_CHUNKS} chunks")
+        if h.size_bytes > self.cfg.budget_bytes:
+            problems.append(f"size_bytes {h.size_bytes}: above budget {self.cfg.budget_bytes}")
+        if h.start_chunk and not h.upload_token:
+            problems.append("start_chunk > 0 needs an upload_token")
+        if h.upload_token and len(h.upload_token) != 16:
+            problems.append(f"upload_token: {len(h.upload_token)} bytes, expected 16")
+        if problems:
+            raise KVError(KVErrorCode.KV_INVALID, "; ".join(problems))
+
+    @staticmethod
+    def _check_rejoin(obj: StoredObject, h: pb.PutHeader) -> None:
+        same = (
+            h.size_bytes == obj.size_bytes
+            and h.chunk_size_bytes == obj.chunk_size_bytes
+            and h.object_digest == obj.object_digest
+        )
+        if not same or h.start_chunk > obj.num_chunks:
+            raise KVError(KVErrorCode.KV_INVALID, "upload_token reused for a different object")
+
+    def put_chunk(self, obj: StoredObject, chunk: ChunkView, message: bytes) -> None:
+        """Verify one chunk (index, length, digest) and keep its message."""
+        i = chunk.index
+        if i >= obj.num_chunks or len(chunk.data) != obj.chunk_len(i):
+            raise KVError(
+                KVErrorCode.KV_CORRUPT,
+                f"chunk {i}: bad index or length {len(chunk.data)}",
+                kv_id=obj.kv_id,
+                resume_chunk=i,
+            )
+        if digest64(chunk.data) != chunk.digest:
+            self.metrics.corrupt.labels(side="store").inc()
+            raise KVError(
+                KVErrorCode.KV_CORRUPT,
+                f"chunk {i}: digest mismatch",
+                kv_id=obj.kv_id,
+                resume_chunk=i,
+            )
+        obj.messages[i] = message
+        obj.data[i] = chunk.data
+        obj.digests[i] = chunk.digest
+        obj.hash_prefix()
+
+    def finish_put(self, obj: StoredObject) -> int:
+        """Complete the object if every chunk is in (after checking its digest); return missing."""
+        if obj.complete:
+            return 0
+        missing = obj.missing()
+        if missing:
+            return missing
+        obj.hash_prefix()
+        h = obj.hasher.intdigest()
+        if h != obj.object_digest:
+            self._drop_upload(obj, "corrupt")
+            raise KVError(
+                KVErrorCode.KV_CORRUPT,
+                f"object digest {h:016x} != header {obj.object_digest:016x}",
+                kv_id=obj.kv_id,
+                resume_chunk=0,
+            )
+        obj.complete = True
+        self._uploads.pop(obj.upload_token, None)
+        self._objects[obj.kv_id] = obj
+        self._gauges()
+        return 0
+
+    def abandon(self, obj: StoredObject, reason: str) -> None:
+        """Forget an upload that cannot finish (no upload token to rejoin it)."""
+        if not obj.complete and not obj.upload_token:
+            self._drop_upload(obj, reason)
+
+    def _drop_upload(self, obj: StoredObject, reason: str) -> None:
+        if self._uploads.get(obj.upload_token) is obj:
+            del self._uploads[obj.upload_token]
+        if not obj.complete:
+            obj.complete = True  # never readable; guards against double accounting
+            self.used_bytes -= obj.size_bytes
+            self._deleted(obj, "abandon", reason, None)
+
+    # --- read / lifetime --------------------------------------------------------------
+
+    def lookup(self, kv_id: str) -> StoredObject:
+        """A complete, live object (refreshing its LRU position); else NOT_FOUND/EXPIRED."""
+        obj = self._objects.get(kv_id)
+        if obj is None:
+            why = self._tombstones.get(kv_id)
+            parse_kv_id(kv_id)  # malformed ids are KV_INVALID
+            if why == "expired":
+                raise KVError(KVErrorCode.KV_EXPIRED, "TTL passed; object deleted", kv_id=kv_id)
+            detail = f"{why}" if why else "no such object"
+            raise KVError(KVErrorCode.KV_NOT_FOUND, detail, kv_id=kv_id)
+        if self.clock.now_s() >= obj.expires_at_s():
+            self._delete(obj, "expire", "expired", None)
+            raise KVError(KVErrorCode.KV_EXPIRED, "TTL passed; object deleted", kv_id=kv_id)
+        self._objects.move_to_end(kv_id)
+        return obj
+
+    def release(self, kv_id: str, who: str) -> StoredObject:
+        """The consumer's acknowledgement: delete now."""
+        obj = self.lookup(kv_id)
+        self._delete(obj, "release", "released", who)
+        self.metrics.released.inc()
+        return obj
+
+    def renew(self, kv_id: str, lease_s: int) -> StoredObject:
+        """Extend the lease to now + ``lease_s`` (capped by config and the TTL maximum)."""
+        obj = self.lookup(kv_id)
+        lease = min(lease_s or self.cfg.lease_s, self.cfg.lease_s)
+        obj.lease_until_s = max(obj.lease_until_s, self.clock.now_s() + lease)
+        return obj
+
+    def sweep(self) -> int:
+        """Delete every expired object and abandoned upload; return how many."""
+        now = self.clock.now_s()
+        due = [o for o in self._objects.values() if now >= o.expires_at_s()]
+        for obj in due:
+            self._delete(obj, "expire", "expired", None)
+        stale = [o for o in self._uploads.values() if now >= o.expires_at_s()]
+        for obj in stale:
+            self._drop_upload(obj, "upload not finished before TTL")
+        return len(due) + len(stale)
+
+    def info(self, obj: StoredObject) -> pb.ObjectInfo:
+        """The wire description of an object."""
+        expires_ms = obj.created_at_ms + int((obj.expires_at_s() - obj.created_s) * 1000)
+        return pb.ObjectInfo(
+            kv_id=obj.kv_id,
+            model_version=obj.model_version,
+            created_at_ms=obj.created_at_ms,
+            ttl_s=obj.ttl_s,
+            layout=obj.layout,
+            size_bytes=obj.size_bytes,
+            chunk_size_bytes=obj.chunk_size_bytes,
+            num_chunks=obj.num_chunks,
+            object_digest=obj.object_digest,
+            expires_at_ms=expires_ms,
+            chunk_digests=obj.digests,
+        )
+
+    def __len__(self) -> int:
+        return len(self._objects)
+
+    # --- budget -----------------------------------------------------------------------
+
+    def _make_room(self, size_bytes: int) -> None:
+        """LRU-evict unleased, unread objects until ``size_bytes`` fits, else KV_STORE_FULL."""
+        budget = self.cfg.budget_bytes
+        if self.used_bytes + size_bytes <= budget:
+            return
+        now = self.clock.now_s()
+        for obj in list(self._objects.values()):
+            if self.used_bytes + size_bytes <= budget:
+                break
+            if now >= obj.expires_at_s():
+                self._delete(obj, "expire", "expired", None)
+            elif obj.lease_until_s <= now and obj.readers == 0:
+                self._delete(obj, "evict", "over byte budget (LRU)", None)
+                self.metrics.evicted.inc()
+        if self.used_bytes + size_bytes > budget:
+            raise KVError(
+                KVErrorCode.KV_STORE_FULL,
+                f"{size_bytes} bytes do not fit: {self.used_bytes} of {budget} held by "
+                "leased, in-use or uploading objects",
+            )
+
+    def _delete(self, obj: StoredObject, event: str, reason: str, who: str | None) -> None:
+        if self._objects.pop(obj.kv_id, None) is None:
+            return
+        self.used_bytes -= obj.size_bytes
+        self._tombstones[obj.kv_id] = reason
+        while len(self._tombstones) > _TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        if event == "expire":
+            self.metrics.expired.inc()
+        self._deleted(obj, event, reason, who)
+
+    def _deleted(self, obj: StoredObject, event: str, reason: str, who: str | None) -> None:
+        self.audit.record(
+            event,
+            who=who or "store",
+            kv_id=obj.kv_id,
+            bytes=obj.size_bytes,
+            outcome="deleted",
+            reason=reason,
+            object_digest=digest_hex(obj.object_digest),
+        )
+        self._gauges()
+
+    def _gauges(self) -> None:
+        self.metrics.store_bytes.set(self.used_bytes)
+        self.metrics.store_objects.set(len(self._objects))

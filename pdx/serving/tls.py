@@ -1,0 +1,203 @@
+"""Certificates and mutual-TLS credentials for the KV services.
+
+``init_certs(dir)`` writes a private CA and one key + certificate per service
+(``ca.pem``, ``<name>.pem``, ``<name>.key``), for local and test use, with
+``cryptography``. Every certificate is valid for both server and client auth and for
+localhost / 127.0.0.1 / ::1. Servers require a client certificate signed by the CA.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import ipaddress
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from pdx.errors import InputError
+from pdx.serving.contract import TLSConfig
+
+if TYPE_CHECKING:
+    import grpc
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509 import Certificate
+
+DEFAULT_NAMES = ("kv-store", "prefill", "decode")
+CA_NAME = "ca"
+
+
+@dataclass(frozen=True)
+class CertFiles:
+    """Paths of one service's identity."""
+
+    ca: Path
+    cert: Path
+    key: Path
+
+
+def cert_files(cert_dir: Path | str, name: str) -> CertFiles:
+    """Where ``name``'s certificate and key live in ``cert_dir`` (checked to exist)."""
+    d = Path(cert_dir)
+    files = CertFiles(d / f"{CA_NAME}.pem", d / f"{name}.pem", d / f"{name}.key")
+    for path in (files.ca, files.cert, files.key):
+        if not path.is_file():
+            raise InputError("tls", str(path), f"a file made by `pdx certs init {d}`")
+    return files
+
+
+def _name(common_name: str) -> object:
+    from cryptography import x509
+    from cryptography.x509.oid import NameOID
+
+    return x509.Name(
+        [
+            x509.NameAttribute(NameOID.ORGANIZATION_NAME, "pdx"),
+            x509.NameAttribute(NameOID.COMMON_NAME, common_name),
+        ]
+    )
+
+
+def _key() -> ec.EllipticCurvePrivateKey:
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    return ec.generate_private_key(ec.SECP256R1())
+
+
+def _write_key(path: Path, key: ec.EllipticCurvePrivateKey) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    pem = key.private_bytes(
+        serialization.Encoding.PEM,
+        serialization.PrivateFormat.PKCS8,
+        serialization.NoEncryption(),
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(pem)
+
+
+def _write_cert(path: Path, cert: Certificate) -> None:
+    from cryptography.hazmat.primitives import serialization
+
+    path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+
+
+def _make_ca(days: int) -> tuple[ec.EllipticCurvePrivateKey, Certificate]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+
+    key = _key()
+    now = dt.datetime.now(dt.UTC)
+    name = _name("pdx local CA")
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)  # type: ignore[arg-type]
+        .issuer_name(name)  # type: ignore[arg-type]
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .add_extension(
+            x509.KeyUsage(False, False, False, False, False, True, True, False, False),
+            critical=True,
+        )
+        .sign(key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def _make_leaf(
+    name: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: Certificate, days: int
+) -> tuple[ec.EllipticCurvePrivateKey, Certificate]:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes
+    from cryptography.x509.oid import ExtendedKeyUsageOID
+
+    key = _key()
+    now = dt.datetime.now(dt.UTC)
+    san = x509.SubjectAlternativeName(
+        [
+            x509.DNSName("localhost"),
+            x509.DNSName(name),
+            x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+            x509.IPAddress(ipaddress.ip_address("::1")),
+        ]
+    )
+    eku = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(_name(name))  # type: ignore[arg-type]
+        .issuer_name(ca_cert.subject)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - dt.timedelta(minutes=5))
+        .not_valid_after(now + dt.timedelta(days=days))
+        .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+        .add_extension(san, critical=False)
+        .add_extension(eku, critical=False)
+        .sign(ca_key, hashes.SHA256())
+    )
+    return key, cert
+
+
+def init_certs(
+    cert_dir: Path | str, names: tuple[str, ...] | list[str] = DEFAULT_NAMES, *, days: int = 30
+) -> list[Path]:
+    """Create a CA and one identity per name in ``cert_dir``; return the files written."""
+    d = Path(cert_dir)
+    if d.exists() and (d / f"{CA_NAME}.pem").exists():
+        raise InputError(
+            "DIR", str(d), "a directory without an existing ca.pem (refusing to overwrite)"
+        )
+    for n in names:
+        if not n or "/" in n or n == CA_NAME:
+            raise InputError("--name", n, f"a plain service name other than {CA_NAME!r}")
+    d.mkdir(parents=True, exist_ok=True)
+    ca_key, ca_cert = _make_ca(days)
+    written = [d / f"{CA_NAME}.pem", d / f"{CA_NAME}.key"]
+    _write_cert(written[0], ca_cert)
+    _write_key(written[1], ca_key)
+    for n in names:
+        key, cert = _make_leaf(n, ca_key, ca_cert, days)
+        _write_cert(d / f"{n}.pem", cert)
+        _write_key(d / f"{n}.key", key)
+        written += [d / f"{n}.pem", d / f"{n}.key"]
+    return written
+
+
+def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
+    """Server side of mutual TLS: present ``tls.name``'s cert, require a CA-signed client."""
+    import grpc
+
+    f = cert_files(tls.cert_dir, tls.name)
+    return grpc.ssl_server_credentials(
+        [(f.key.read_bytes(), f.cert.read_bytes())],
+        root_certificates=f.ca.read_bytes(),
+        require_client_auth=True,
+    )
+
+
+def channel_credentials(
+    tls: TLSConfig | None, *, cert_dir: Path | None = None
+) -> grpc.ChannelCredentials:
+    """Client side: trust the CA and present ``tls.name``'s certificate.
+
+    ``tls=None`` with ``cert_dir`` gives a client that trusts the CA but has no
+    certificate of its own (what an unauthorised peer looks like).
+    """
+    import grpc
+
+    if tls is None:
+        if cert_dir is None:
+            raise InputError("tls", None, "a TLSConfig or a cert_dir")
+        return grpc.ssl_channel_credentials(
+            root_certificates=(Path(cert_dir) / f"{CA_NAME}.pem").read_bytes()
+        )
+    f = cert_files(tls.cert_dir, tls.name)
+    return grpc.ssl_channel_credentials(
+        root_certificates=f.ca.read_bytes(),
+        private_key=f.key.read_bytes(),
+        certificate_chain=f.cert.read_bytes(),
+    )

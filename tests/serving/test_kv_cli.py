@@ -1,0 +1,66 @@
+"""`pdx kv-serve`, `pdx kv-bench`, `pdx certs init` through the real CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdx.cli.main import app
+
+runner = CliRunner()
+
+
+def test_certs_init_then_refuses_to_overwrite(tmp_path: Path) -> None:
+    d = tmp_path / "certs"
+    ok = runner.invoke(
+        app, ["certs", "init", str(d), "--name", "kv-store", "--name", "decode", "--json"]
+    )
+    assert ok.exit_code == 0, ok.output
+    files = json.loads(ok.stdout)["files"]
+    assert sorted(files) == sorted(
+        ["ca.pem", "ca.key", "kv-store.pem", "kv-store.key", "decode.pem", "decode.key"]
+    )
+    again = runner.invoke(app, ["certs", "init", str(d)])
+    assert again.exit_code == 2
+    assert again.stderr.startswith("error: DIR:") and "refusing to overwrite" in again.stderr
+    assert "Traceback" not in again.output
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["kv-bench", "--bytes", "lots"], "--bytes: got 'lots'"),
+        (["kv-bench", "--bytes", "8MB", "--chunk-kb", "32"], "chunk_size_kb"),
+        (["kv-bench", "--bytes", "8MB", "--codec", "nope"], "codec: got 'nope'"),
+        (["kv-serve", "--ttl-s", "30"], "kv_ttl_seconds"),
+        (["kv-serve", "--set", "max_inflight_kv=0"], "max_inflight_kv"),
+        (["kv-serve", "--tls-dir", "/nonexistent", "--port", "0"], "tls"),
+    ],
+)
+def test_bad_input_is_one_clear_error(args: list[str], needle: str) -> None:
+    res = runner.invoke(app, args)
+    assert res.exit_code == 2, res.output
+    assert res.stderr.startswith("error: ") and needle in res.stderr
+    assert "Traceback" not in res.output
+
+
+@pytest.mark.slow
+def test_kv_bench_json_runs_a_real_store_process() -> None:
+    res = runner.invoke(
+        app, ["kv-bench", "--bytes", "16MB", "--chunk-kb", "256", "--repeat", "1", "--json"]
+    )
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.stdout)
+    assert out["put_gbytes_per_s"] > 0 and out["get_gbytes_per_s"] > 0
+    assert out["chunk_kb"] == 256 and out["checksums"] is True and out["tls"] is False
+    assert out["payload_bytes"] == 16_000_000 and out["retries"] == 0
+
+
+@pytest.mark.slow
+def test_kv_bench_with_tls() -> None:
+    res = runner.invoke(app, ["kv-bench", "--bytes", "4MB", "--tls", "--repeat", "1", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["tls"] is True
