@@ -79,3 +79,7 @@ _register()
 def main() -> None:
     """Console-script entry point."""
     sys.exit(app())
+
+
+if __name__ == "__main__":
+    main()

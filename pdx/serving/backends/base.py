@@ -1,0 +1,139 @@
+"""Backend base class, the shared config and the registry."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdx.errors import InputError
+
+if TYPE_CHECKING:
+    import torch
+
+    from pdx.serving.backends.tokenizer import Tokenizer
+
+
+class BackendConfig(BaseModel):
+    """Which model to serve and how. Every process of a deployment builds the same model from it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    backend: Literal["transformers", "synthetic"] = "transformers"
+    preset: str = Field("tiny-llama", description="built-in tiny config or measure-kv preset name")
+    checkpoint: str | None = Field(None, description="local checkpoint dir (transformers only)")
+    seed: int = Field(0, description="seed for random weights, identical in every process")
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    torch_threads: int = Field(
+        1, ge=0, description="CPU threads for torch in each process (0 = torch's default)"
+    )
+    max_context_tokens: int | None = Field(None, gt=0, description="default: the model's limit")
+    prefill_tflops: float = Field(50.0, gt=0, description="synthetic: effective prefill TFLOP/s")
+    decode_hbm_gbps: float = Field(2000.0, gt=0, description="synthetic: HBM bandwidth in GB/s")
+    synthetic_time_scale: float = Field(1.0, ge=0, description="synthetic: multiply compute time")
+
+
+@dataclass
+class KVState:
+    """One sequence's KV cache: tensors in a fixed order (layer 0 key, layer 0 value, ...)."""
+
+    tensors: list[torch.Tensor]
+    length: int
+    roles: list[Literal["key", "value", "other"]] = field(default_factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the tensors occupy uncompressed."""
+        return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+class ModelBackend(ABC):
+    """Runs prefill and batched decode steps for one model; builds identical weights everywhere."""
+
+    name: ClassVar[str]
+    synthetic: ClassVar[bool] = False
+
+    def __init__(self, cfg: BackendConfig) -> None:
+        self.cfg = cfg
+
+    @property
+    @abstractmethod
+    def model_version(self) -> str:
+        """Identifies weights + config; prefill and decode must agree on it."""
+
+    @property
+    @abstractmethod
+    def max_context_tokens(self) -> int:
+        """Longest prompt + output the model accepts."""
+
+    @property
+    @abstractmethod
+    def vocab_size(self) -> int:
+        """Number of token ids."""
+
+    @property
+    @abstractmethod
+    def tokenizer(self) -> Tokenizer:
+        """Text ↔ token ids."""
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """End-of-sequence id, if the model has one."""
+        return None
+
+    @abstractmethod
+    def prefill(self, token_ids: list[int]) -> tuple[KVState, torch.Tensor]:
+        """Run the prompt; return its KV and the logits of the next token (1-D)."""
+
+    @abstractmethod
+    def decode_step(
+        self, states: list[KVState], last_tokens: list[int]
+    ) -> tuple[list[KVState], torch.Tensor]:
+        """One batched step: feed each last token; return new states and logits [B, V]."""
+
+    @abstractmethod
+    def kv_from_tensors(self, tensors: list[torch.Tensor], length: int) -> KVState:
+        """Rebuild a state received over the wire (tensors in :attr:`KVState.tensors` order)."""
+
+    def describe(self) -> dict[str, object]:
+        """Label for outputs: backend, model, synthetic or not."""
+        return {
+            "backend": self.name,
+            "model": self.cfg.checkpoint or self.cfg.preset,
+            "model_version": self.model_version,
+            "synthetic": self.synthetic,
+            "max_context_tokens": self.max_context_tokens,
+        }
+
+
+_REGISTRY: dict[str, type[ModelBackend]] = {}
+
+
+def register_backend(cls: type[ModelBackend]) -> type[ModelBackend]:
+    """Class decorator: make a backend available by its ``name``."""
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtin() -> None:
+    # Importing the modules registers the built-in backends (kept out of import time).
+    import pdx.serving.backends.synthetic
+    import pdx.serving.backends.transformers_backend  # noqa: F401
+
+
+def backend_names() -> list[str]:
+    """Names of every registered backend."""
+    _load_builtin()
+    return list(_REGISTRY)
+
+
+def create_backend(cfg: BackendConfig) -> ModelBackend:
+    """Build the backend named in ``cfg``; an unknown name is an InputError."""
+    _load_builtin()
+    try:
+        cls = _REGISTRY[cfg.backend]
+    except KeyError:
+        raise InputError("model.backend", cfg.backend, f"one of {', '.join(_REGISTRY)}") from None
+    return cls(cfg)

@@ -1,0 +1,177 @@
+"""The ``synthetic`` backend: no weights, real KV volume, roofline compute time.
+
+It lets a CPU box push a large model's KV (the exact per-layer layout and byte size that
+measure-kv computes for the model) through a real link. Tokens are a deterministic function
+of the previous token and position, so two paths can still be compared; every output is
+labelled synthetic.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from importlib import resources
+from typing import Any
+
+import torch
+
+from pdx.errors import InputError
+from pdx.serving.backends.base import BackendConfig, KVState, ModelBackend, register_backend
+from pdx.serving.backends.tokenizer import ByteTokenizer, Tokenizer
+
+_VOCAB = 260
+
+
+@dataclass(frozen=True)
+class SyntheticLayer:
+    """One layer: per-token bytes (K+V, or one latent if ``single``), window, fixed state."""
+
+    bytes_per_token: int
+    window_tokens: int | None = None
+    state_bytes: int = 0
+    single: bool = False  # MLA: one latent per token, not separate K and V
+
+    def tokens_kept(self, seq: int) -> int:
+        """Tokens of KV held after ``seq`` tokens."""
+        return seq if self.window_tokens is None else min(seq, self.window_tokens)
+
+
+@dataclass(frozen=True)
+class SyntheticSpec:
+    """Layers and parameter count of the model being imitated."""
+
+    layers: tuple[SyntheticLayer, ...]
+    params_active: float
+    bytes_per_param: int = 2
+    max_context: int = 131072
+
+    def kv_bytes(self, seq: int) -> int:
+        """Exact KV bytes for one request of ``seq`` tokens."""
+        return sum(x.tokens_kept(seq) * x.bytes_per_token + x.state_bytes for x in self.layers)
+
+
+def _from_measure_kv(preset: str) -> SyntheticSpec | None:
+    """The layout measure-kv computes from the preset's config.json (all attention families)."""
+    try:
+        text = resources.files("pdx.kv.presets").joinpath(f"{preset}.json").read_text()
+        from pdx.kv.spec import build_spec
+    except (FileNotFoundError, ModuleNotFoundError):
+        return None
+    config: dict[str, Any] = json.loads(text)
+    try:
+        spec = build_spec(config, name=preset)
+    except ModuleNotFoundError:  # measure-kv installed without its family tables
+        return None
+    layers = tuple(
+        SyntheticLayer(
+            bytes_per_token=layer.bytes_per_token,
+            window_tokens=layer.window_tokens if layer.kind == "sliding" else None,
+            state_bytes=layer.state_bytes,
+            single=layer.kind == "mla" or layer.bytes_per_token % 4 != 0,
+        )
+        for layer in spec.layers
+        if layer.kind != "none"
+    )
+    ctx = int(config.get("max_position_embeddings", 131072))
+    return SyntheticSpec(layers=layers, params_active=float(spec.params_active), max_context=ctx)
+
+
+def _tiny() -> SyntheticSpec:
+    # Same layout as the tiny transformers preset (2 layers, 2 KV heads × 16 dims, fp32).
+    layer = SyntheticLayer(bytes_per_token=2 * 2 * 16 * 4)
+    return SyntheticSpec(layers=(layer, layer), params_active=1.0e5, max_context=1024)
+
+
+def synthetic_spec(preset: str) -> SyntheticSpec:
+    """Spec for a preset name: ``tiny-llama`` or any measure-kv preset."""
+    if preset == "tiny-llama":
+        return _tiny()
+    spec = _from_measure_kv(preset)
+    if spec is None:
+        raise InputError("model.preset", preset, "tiny-llama or a measure-kv preset name")
+    return spec
+
+
+@register_backend
+class SyntheticBackend(ModelBackend):
+    """KV tensors of the imitated model's exact bytes; compute time by roofline sleep."""
+
+    name = "synthetic"
+    synthetic = True
+
+    def __init__(self, cfg: BackendConfig) -> None:
+        super().__init__(cfg)
+        self.spec = synthetic_spec(cfg.preset)
+        self._tokenizer = ByteTokenizer()
+        self._gen_seed = cfg.seed
+
+    @property
+    def model_version(self) -> str:
+        return f"synthetic:{self.cfg.preset}+{self.cfg.seed}"
+
+    @property
+    def max_context_tokens(self) -> int:
+        return min(self.cfg.max_context_tokens or self.spec.max_context, self.spec.max_context)
+
+    @property
+    def vocab_size(self) -> int:
+        return _VOCAB
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    def prefill_seconds(self, tokens: int) -> float:
+        """Roofline: ``2 × tokens × active params / FLOP/s``."""
+        return 2 * tokens * self.spec.params_active / (self.cfg.prefill_tflops * 1e12)
+
+    def decode_step_seconds(self, context_tokens: int) -> float:
+        """Roofline: ``(weight bytes + KV bytes read) / HBM bandwidth``."""
+        weight_bytes = self.spec.params_active * self.spec.bytes_per_param
+        return (weight_bytes + self.spec.kv_bytes(context_tokens)) / (
+            self.cfg.decode_hbm_gbps * 1e9
+        )
+
+    def _next_token(self, last: int, position: int) -> int:
+        return (last * 1103515245 + position * 12345 + 7 + self._gen_seed) % (_VOCAB - 4) + 4
+
+    def _logits(self, tokens: list[int]) -> torch.Tensor:
+        logits = torch.zeros(len(tokens), _VOCAB)
+        logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
+        return logits
+
+    def _state(self, length: int) -> KVState:
+        gen = torch.Generator().manual_seed(self.cfg.seed + length)
+        tensors: list[torch.Tensor] = []
+        roles: list[Any] = []
+        for layer in self.spec.layers:
+            n = layer.tokens_kept(length)
+            parts = 1 if layer.single else 2
+            per = layer.bytes_per_token // parts
+            for part in range(parts):
+                tensors.append(torch.randint(0, 256, (1, n, per), generator=gen, dtype=torch.uint8))
+                roles.append("other" if layer.single else ("key", "value")[part])
+            if layer.state_bytes:
+                tensors.append(torch.randint(0, 256, (layer.state_bytes,), dtype=torch.uint8))
+                roles.append("other")
+        return KVState(tensors=tensors, length=length, roles=roles)
+
+    def prefill(self, token_ids: list[int]) -> tuple[KVState, torch.Tensor]:
+        time.sleep(self.prefill_seconds(len(token_ids)) * self.cfg.synthetic_time_scale)
+        first = self._next_token(sum(token_ids), len(token_ids))
+        return self._state(len(token_ids)), self._logits([first])[0]
+
+    def kv_from_tensors(self, tensors: list[torch.Tensor], length: int) -> KVState:
+        return KVState(tensors=tensors, length=length, roles=[])
+
+    def decode_step(
+        self, states: list[KVState], last_tokens: list[int]
+    ) -> tuple[list[KVState], torch.Tensor]:
+        context = sum(s.length for s in states)
+        time.sleep(self.decode_step_seconds(context) * self.cfg.synthetic_time_scale)
+        # The KV is not extended token by token (it carries no information here); only its
+        # length advances, which is what the roofline step time depends on.
+        new = [KVState(s.tensors, s.length + 1, s.roles) for s in states]
+        nxt = [self._next_token(t, s.length) for t, s in zip(last_tokens, states, strict=True)]
+        return new, self._logits(nxt)

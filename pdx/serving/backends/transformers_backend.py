@@ -1,0 +1,194 @@
+"""The ``transformers`` backend: a real causal LM, from a local checkpoint or a tiny seeded preset.
+
+Tiny presets are random-weight models built from a config with a fixed seed, so a prefill
+process and a decode process build bit-identical weights without downloading anything.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from pdx.errors import InputError
+from pdx.serving.backends.base import BackendConfig, KVState, ModelBackend, register_backend
+from pdx.serving.backends.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
+
+# Tiny configs (Llama architecture) sized so a CPU runs a forward pass in milliseconds.
+# Vocabulary 260 = 4 special ids + 256 byte ids (see ByteTokenizer).
+TINY_PRESETS: dict[str, dict[str, Any]] = {
+    "tiny-llama": {
+        "vocab_size": 260,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 1024,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+    "tiny-llama-mha": {
+        "vocab_size": 260,
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 4,
+        "max_position_embeddings": 2048,
+        "initializer_range": 0.2,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+    },
+}
+
+
+def _pick_device(choice: str) -> torch.device:
+    if choice == "cuda" or (choice == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def _state_dict_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        h.update(name.encode())
+        h.update(tensor.detach().float().cpu().numpy().tobytes()[:4096])
+    return h.hexdigest()[:12]
+
+
+@register_backend
+class TransformersBackend(ModelBackend):
+    """Real forward passes through ``AutoModelForCausalLM`` with a ``DynamicCache``."""
+
+    name = "transformers"
+
+    def __init__(self, cfg: BackendConfig) -> None:
+        super().__init__(cfg)
+        if cfg.torch_threads:
+            # Per process: prefill and decode often share a small CPU box, where torch's
+            # default (one spinning thread per core, in every process) stalls under load.
+            torch.set_num_threads(cfg.torch_threads)
+        self.device = _pick_device(cfg.device)
+        if cfg.checkpoint:
+            self.model, self._tokenizer = self._load_checkpoint(Path(cfg.checkpoint))
+        else:
+            self.model, self._tokenizer = self._build_tiny(cfg.preset, cfg.seed)
+        self.model.to(self.device).eval()
+        name = Path(cfg.checkpoint).name if cfg.checkpoint else cfg.preset
+        self._version = f"{name}+{_state_dict_digest(self.model)}"
+        limit = int(getattr(self.model.config, "max_position_embeddings", 2048))
+        self._max_context = min(cfg.max_context_tokens or limit, limit)
+
+    def _build_tiny(self, preset: str, seed: int) -> tuple[Any, Tokenizer]:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        if preset not in TINY_PRESETS:
+            raise InputError("model.preset", preset, f"one of {', '.join(TINY_PRESETS)}")
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(LlamaConfig(**TINY_PRESETS[preset]))
+        return model.float(), ByteTokenizer()
+
+    def _load_checkpoint(self, path: Path) -> tuple[Any, Tokenizer]:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if not (path / "config.json").is_file():
+            raise InputError("model.checkpoint", str(path), "a directory with config.json")
+        dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+        try:
+            tok: Tokenizer = HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+        except (OSError, ValueError):
+            tok = ByteTokenizer()
+        return model, tok
+
+    @property
+    def model_version(self) -> str:
+        return self._version
+
+    @property
+    def max_context_tokens(self) -> int:
+        return self._max_context
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.model.config.vocab_size)
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self._tokenizer
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = getattr(self.model.config, "eos_token_id", None)
+        return int(eos[0] if isinstance(eos, list) else eos) if eos is not None else None
+
+    def config_json(self) -> str:
+        """The model config as JSON (what a measure-kv run would size)."""
+        return json.dumps(self.model.config.to_dict(), default=str)
+
+    def _cache(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+        from transformers import DynamicCache
+
+        return DynamicCache(ddp_cache_data=pairs)
+
+    @torch.inference_mode()
+    def prefill(self, token_ids: list[int]) -> tuple[KVState, torch.Tensor]:
+        ids = torch.tensor([token_ids], device=self.device)
+        out = self.model(input_ids=ids, use_cache=True)
+        cache = out.cache
+        tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
+        return self._state(tensors, len(token_ids)), out.logits[0, -1].float().cpu()
+
+    def _state(self, tensors: list[torch.Tensor], length: int) -> KVState:
+        roles: list[Any] = ["key", "value"] * (len(tensors) // 2)
+        return KVState(tensors=tensors, length=length, roles=roles)
+
+    def kv_from_tensors(self, tensors: list[torch.Tensor], length: int) -> KVState:
+        dtype = next(self.model.parameters()).dtype
+        return self._state([t.to(self.device, dtype) for t in tensors], length)
+
+    @torch.inference_mode()
+    def decode_step(
+        self, states: list[KVState], last_tokens: list[int]
+    ) -> tuple[list[KVState], torch.Tensor]:
+        # Sequences of different lengths share one forward pass: left-pad each cache to the
+        # longest, mask the padding, and give every sequence its own position id.
+        longest = max(s.length for s in states)
+        pairs = []
+        for i in range(0, len(states[0].tensors), 2):
+            keys = torch.cat([_left_pad(s.tensors[i], longest - s.length) for s in states])
+            values = torch.cat([_left_pad(s.tensors[i + 1], longest - s.length) for s in states])
+            pairs.append((keys, values))
+        cache = self._cache(pairs)
+        mask = torch.zeros(len(states), longest + 1, dtype=torch.long, device=self.device)
+        for row, s in enumerate(states):
+            mask[row, longest - s.length :] = 1
+        out = self.model(
+            input_ids=torch.tensor([[t] for t in last_tokens], device=self.device),
+            attention_mask=mask,
+            position_ids=torch.tensor([[s.length] for s in states], device=self.device),
+            cache=cache,
+            use_cache=True,
+        )
+        new_states = []
+        for row, s in enumerate(states):
+            start = longest - s.length
+            tensors = [
+                t[row : row + 1, :, start:].clone()
+                for layer in cache.layers
+                for t in (layer.keys, layer.values)
+            ]
+            new_states.append(self._state(tensors, s.length + 1))
+        return new_states, out.logits[:, -1].float().cpu()
+
+
+def _left_pad(t: torch.Tensor, n: int) -> torch.Tensor:
+    return F.pad(t, (0, 0, n, 0)) if n else t

@@ -1,0 +1,455 @@
+"""The decode service: fetches KV by kv_id, decodes with continuous batching, streams tokens.
+
+New sequences join the running batch at step boundaries and finished ones leave, so one
+model forward per step serves every active request. The resident KV is bounded by
+``kv_budget_bytes`` and admission by ``max_batch + max_queue``: a request beyond that is
+refused (RESOURCE_EXHAUSTED) rather than queued without bound. When the transfer fails past
+its retry budget (or the gateway asks for it) the service prefills locally and says why.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import grpc
+
+from pdx._proto import serving_pb2, serving_pb2_grpc
+from pdx.errors import PdxError
+from pdx.serving.backends.base import KVState, ModelBackend
+from pdx.serving.backends.kvwire import decode_kv
+from pdx.serving.backends.sampling import pick_token
+from pdx.serving.contract import KVError
+from pdx.serving.deploy_config import DecodeConfig, DeployConfig, NodeOptions
+from pdx.serving.prefill import check_prompt
+from pdx.serving.rpc import create_server, set_serving, start_health_server
+
+log = logging.getLogger("pdx.decode")
+
+
+class KVUnusable(PdxError):
+    """Fetched KV that must not be used here (e.g. produced by other weights)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        self.reason = reason
+        super().__init__(message)
+
+
+class DecodeFailed(Exception):
+    """A sequence could not be decoded (its batch step raised)."""
+
+
+@dataclass
+class Fetched:
+    """One completed KV read."""
+
+    payload: bytes | memoryview
+    layout: dict[str, Any]
+    kv_bytes: int
+    transfer_ms: float
+    retries: int
+    model_version: str = ""
+
+
+class KVSource(Protocol):
+    """How decode reads KV from a prefill instance's store (the transfer layer)."""
+
+    async def fetch(self, endpoint: str, kv_id: str) -> Fetched:
+        """Read the whole object (deadline, retries, checksums); raise KVError on failure."""
+        ...
+
+    async def release(self, endpoint: str, kv_id: str) -> None:
+        """Acknowledge: the object may be deleted now."""
+        ...
+
+    async def renew(self, endpoint: str, kv_id: str) -> None:
+        """Extend the lease while the request waits for memory."""
+        ...
+
+
+@dataclass
+class Sequence:
+    """One request inside the decode engine."""
+
+    request: serving_pb2.GenerateRequest
+    tokens: list[int] = field(default_factory=list)  # generated so far (first token included)
+    state: KVState | None = None
+    out: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
+    finish_reason: str = ""
+    cancelled: bool = False
+    error: str = ""
+    stats: serving_pb2.GenerateStats = field(default_factory=serving_pb2.GenerateStats)
+
+    @property
+    def prompt(self) -> list[int]:
+        """Prompt token ids."""
+        return list(self.request.prompt_token_ids)
+
+
+class DecodeEngine:
+    """Continuous batching over one backend; a single thread runs every forward pass."""
+
+    def __init__(self, backend: ModelBackend, cfg: DecodeConfig, instance: str) -> None:
+        self.backend = backend
+        self.cfg = cfg
+        self.instance = instance
+        self.model_pool = ThreadPoolExecutor(1, thread_name_prefix="decode-model")
+        self.running: list[Sequence] = []
+        self.joining: list[Sequence] = []
+        self.admitted = 0  # accepted and not yet finished (waiting + running)
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def resident_bytes(self) -> int:
+        """Bytes of KV held for running and joining sequences."""
+        seqs = self.running + self.joining
+        return sum(s.state.nbytes for s in seqs if s.state is not None)
+
+    @property
+    def capacity(self) -> int:
+        """Most sequences admitted at once (batch + queue)."""
+        return self.cfg.max_batch + self.cfg.max_queue
+
+    def start(self) -> None:
+        """Start the step loop."""
+        self._task = asyncio.get_running_loop().create_task(self._loop())
+
+    async def stop(self) -> None:
+        """Stop the step loop and the model thread."""
+        if self._task:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        self.model_pool.shutdown(wait=False, cancel_futures=True)
+
+    async def run_model(self, fn: Any, *args: Any) -> Any:
+        """Run a model call on the model thread."""
+        return await asyncio.get_running_loop().run_in_executor(self.model_pool, fn, *args)
+
+    def join(self, seq: Sequence) -> None:
+        """Queue a ready sequence; it enters the batch at the next step boundary."""
+        self.joining.append(seq)
+        self._wake.set()
+
+    async def _loop(self) -> None:
+        while True:
+            if not self.running and not self.joining:
+                self._wake.clear()
+                await self._wake.wait()
+            room = self.cfg.max_batch - len(self.running)
+            self.running += self.joining[:room]
+            del self.joining[:room]
+            self.running = [s for s in self.running if not s.cancelled]
+            if self.running:
+                try:
+                    await self._step()
+                except Exception as exc:  # a failed step must end its requests, not hang them
+                    log.exception("decode step failed")
+                    self._fail(self.running, f"decode step failed: {exc}")
+
+    def _fail(self, seqs: list[Sequence], why: str) -> None:
+        for seq in seqs:
+            seq.error, seq.state = why, None
+            seq.out.put_nowait(None)
+        self.running = [s for s in self.running if s not in seqs]
+
+    @property
+    def alive(self) -> bool:
+        """Whether the step loop is running."""
+        return self._task is not None and not self._task.done()
+
+    async def _step(self) -> None:
+        batch = list(self.running)
+        states = [s.state for s in batch]
+        last = [s.tokens[-1] for s in batch]
+        t0 = time.perf_counter()
+        new_states, logits = await self.run_model(self.backend.decode_step, states, last)
+        step_ms = (time.perf_counter() - t0) * 1e3
+        for row, seq in enumerate(batch):
+            seq.state = new_states[row]
+            if not seq.stats.first_step_ms:
+                seq.stats.first_step_ms = step_ms
+            sp = seq.request.sampling
+            token = pick_token(
+                logits[row], sp.temperature, sp.seed, len(seq.prompt) + len(seq.tokens)
+            )
+            self.emit(seq, token)
+        self.running = [s for s in self.running if not s.finish_reason and not s.cancelled]
+
+    def emit(self, seq: Sequence, token: int) -> None:
+        """Record a generated token, decide whether the sequence is finished, hand it out."""
+        seq.tokens.append(token)
+        sp = seq.request.sampling
+        if not sp.ignore_eos and token == self.backend.eos_token_id:
+            seq.finish_reason = "stop"
+        elif len(seq.tokens) >= sp.max_tokens:
+            seq.finish_reason = "length"
+        seq.out.put_nowait(token)
+        if seq.finish_reason:
+            seq.state = None
+            seq.out.put_nowait(None)
+
+
+class DecodeServicer(serving_pb2_grpc.DecodeServicer):
+    """gRPC Decode: admission, KV fetch or local prefill, then tokens from the engine."""
+
+    def __init__(self, engine: DecodeEngine, kv: KVSource) -> None:
+        self.engine = engine
+        self.kv = kv
+        self.fetching = 0
+
+    async def Status(
+        self, request: serving_pb2.DecodeStatusRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.DecodeStatusReply:
+        """Health, queue depth and free KV memory, for routing."""
+        e = self.engine
+        return serving_pb2.DecodeStatusReply(
+            healthy=e.alive,
+            queue_depth=max(0, e.admitted - len(e.running)),
+            running=len(e.running),
+            max_batch=e.cfg.max_batch,
+            max_queue=e.cfg.max_queue,
+            kv_budget_bytes=e.cfg.kv_budget_bytes,
+            kv_free_bytes=max(0, e.cfg.kv_budget_bytes - e.resident_bytes),
+            model_version=e.backend.model_version,
+            instance=e.instance,
+        )
+
+    async def Generate(
+        self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[serving_pb2.GenerateChunk]:
+        """Stream one chunk per token, then a last chunk with finish reason and stats."""
+        e = self.engine
+        if e.admitted >= e.capacity:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode queue full")
+        problem = check_prompt(
+            list(request.prompt_token_ids), e.backend, request.sampling.max_tokens
+        )
+        if problem or request.sampling.max_tokens < 1:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem or "max_tokens < 1")
+        seq = Sequence(request=request)
+        seq.stats.instance = e.instance
+        e.admitted += 1
+        try:
+            async for chunk in self._serve(seq):
+                yield chunk
+        except DecodeFailed as exc:
+            await context.abort(grpc.StatusCode.INTERNAL, str(exc))
+        finally:
+            seq.cancelled = not seq.finish_reason
+            seq.state = None
+            e.admitted -= 1
+
+    async def _serve(self, seq: Sequence) -> AsyncIterator[serving_pb2.GenerateChunk]:
+        req, arrived = seq.request, time.perf_counter()
+        if req.has_first_token:
+            self.engine.emit(seq, req.first_token)
+            seq.out.get_nowait()  # sent right here, before the KV arrives
+            yield serving_pb2.GenerateChunk(token_ids=[req.first_token])
+        if seq.finish_reason and req.kv_id:  # max_tokens 1: prefill's token was all of it
+            with contextlib.suppress(KVError):
+                await self.kv.release(req.kv_endpoint, req.kv_id)
+        elif not seq.finish_reason:
+            await self._obtain_kv(seq)
+        seq.stats.queue_ms = (time.perf_counter() - arrived) * 1e3
+        if not seq.finish_reason:
+            self.engine.join(seq)
+        while (token := await seq.out.get()) is not None:
+            yield serving_pb2.GenerateChunk(token_ids=[token])
+        if seq.error:
+            raise DecodeFailed(seq.error)
+        yield serving_pb2.GenerateChunk(finish_reason=seq.finish_reason, stats=seq.stats)
+
+    async def _obtain_kv(self, seq: Sequence) -> None:
+        req, st = seq.request, seq.stats
+        if req.kv_id:
+            st.route = "disaggregated"
+            try:
+                await self._fetch(seq)
+                return
+            except KVError as exc:
+                st.transfer_outcome = exc.code.value
+                st.retries = exc.retries
+                self._degrade(seq, exc.code.value)
+            except PdxError as exc:  # fetched, but not usable as this model's KV
+                reason = exc.reason if isinstance(exc, KVUnusable) else "kv_unusable"
+                log.warning("KV %s unusable (%s): %s", req.kv_id, reason, exc)
+                st.transfer_outcome = reason
+                self._degrade(seq, reason)
+        else:
+            st.route = "local"
+            if req.degrade_reason:
+                self._degrade(seq, req.degrade_reason)
+        await self._local_prefill(seq)
+
+    def _degrade(self, seq: Sequence, reason: str) -> None:
+        seq.stats.degraded = True
+        seq.stats.degrade_reason = reason
+        seq.stats.route = "local"
+
+    async def _fetch(self, seq: Sequence) -> None:
+        req, st, e = seq.request, seq.stats, self.engine
+        await self._wait_for_memory(req)
+        self.fetching += 1
+        try:
+            got = await self.kv.fetch(req.kv_endpoint, req.kv_id)
+        finally:
+            self.fetching -= 1
+        st.kv_bytes, st.transfer_ms, st.retries = got.kv_bytes, got.transfer_ms, got.retries
+        st.transfer_outcome = "ok"
+        if got.model_version and got.model_version != e.backend.model_version:
+            # KV from other weights would decode into silently wrong tokens: never use it.
+            raise KVUnusable("model_version_mismatch", f"KV from {got.model_version}")
+        length = len(req.prompt_token_ids)
+        seq.state = await e.run_model(decode_kv, got.payload, got.layout, e.backend, length)
+        # Acknowledge only once the KV is rebuilt here: then the store may delete it.
+        with contextlib.suppress(KVError):
+            await self.kv.release(req.kv_endpoint, req.kv_id)
+
+    async def _wait_for_memory(self, req: serving_pb2.GenerateRequest) -> None:
+        """Hold the request (renewing its lease) while resident KV is over budget."""
+        e = self.engine
+        waited = 0.0
+        while e.resident_bytes >= e.cfg.kv_budget_bytes and e.running:
+            await asyncio.sleep(0.05)
+            waited += 0.05
+            if waited >= 5.0:
+                waited = 0.0
+                with contextlib.suppress(KVError):
+                    await self.kv.renew(req.kv_endpoint, req.kv_id)
+
+    async def _local_prefill(self, seq: Sequence) -> None:
+        e, prompt = self.engine, seq.prompt
+        t0 = time.perf_counter()
+        seq.state, logits = await e.run_model(e.backend.prefill, prompt)
+        seq.stats.local_prefill_ms = (time.perf_counter() - t0) * 1e3
+        if not seq.tokens:
+            sp = seq.request.sampling
+            e.emit(seq, pick_token(logits, sp.temperature, sp.seed, len(prompt)))
+        if seq.finish_reason:
+            seq.state = None
+
+
+class ClientSource:
+    """Reads KV with the transfer client (one client per store endpoint, opened on first use)."""
+
+    def __init__(self, cfg: DeployConfig, cert_dir: Path | None) -> None:
+        from pdx.serving.prefill import kv_client_config, tls_for
+
+        self._client_cfg = kv_client_config(cfg, "decode")
+        self._tls = tls_for(cert_dir, "decode")
+        self._clients: dict[str, Any] = {}
+
+    def _client(self, endpoint: str) -> Any:
+        from pdx.serving.kv_client import KVClient
+
+        if endpoint not in self._clients:
+            self._clients[endpoint] = KVClient(endpoint, self._client_cfg, tls=self._tls)
+        return self._clients[endpoint]
+
+    async def fetch(self, endpoint: str, kv_id: str) -> Fetched:
+        """Whole-object Get with the client's deadline, retry budget and checksums."""
+        client = self._client(endpoint)
+        t0 = time.perf_counter()
+        obj = await client.get(kv_id)
+        ms = (time.perf_counter() - t0) * 1e3
+        layout = {
+            "codec": obj.layout.codec,
+            "shapes": obj.layout.shapes,
+            "tensor_bytes": obj.layout.tensor_bytes,
+        }
+        retries = next(
+            (r.retries for r in reversed(client.records()) if r.kv_id == kv_id and r.op == "get"),
+            0,
+        )
+        size = int(obj.info.size_bytes)
+        return Fetched(obj.data, layout, size, ms, retries, obj.info.model_version)
+
+    async def release(self, endpoint: str, kv_id: str) -> None:
+        """Acknowledge release."""
+        await self._client(endpoint).release(kv_id)
+
+    async def renew(self, endpoint: str, kv_id: str) -> None:
+        """Extend the lease."""
+        await self._client(endpoint).renew(kv_id)
+
+    async def close(self) -> None:
+        """Close every client."""
+        for client in self._clients.values():
+            await client.close()
+
+
+class DecodeNode:
+    """One running decode process: the Decode gRPC service over a batching engine."""
+
+    def __init__(self) -> None:
+        self.server: grpc.aio.Server | None = None
+        self.engine: DecodeEngine | None = None
+        self.source: ClientSource | None = None
+        self.port = 0
+        self.health_server: grpc.aio.Server | None = None
+        self.health: Any = None
+
+    @classmethod
+    async def start(cls, cfg: DeployConfig, opts: NodeOptions) -> DecodeNode:
+        """Build the model and start the service; the port is bound when this returns."""
+        from pdx.serving.backends import create_backend
+        from pdx.serving.prefill import tls_for
+
+        node = cls()
+        dc, host = cfg.decode, opts.host or cfg.decode.host
+        backend = await asyncio.to_thread(create_backend, cfg.model)
+        node.engine = DecodeEngine(backend, dc, instance=f"decode-{opts.index}")
+        node.engine.start()
+        node.source = ClientSource(cfg, opts.cert_dir)
+        port = opts.pick_port(dc.port, opts.port)
+        node.server, node.port, health = create_server(host, port, tls_for(opts.cert_dir, "decode"))
+        serving_pb2_grpc.add_DecodeServicer_to_server(
+            DecodeServicer(node.engine, node.source), node.server
+        )
+        await node.server.start()
+        await set_serving(health, "pdx.serving.v1.Decode")
+        node.health_server = await start_health_server(host, opts.health_port, health)
+        node.health = health
+        return node
+
+    def announce(self) -> dict[str, Any]:
+        """What the supervisor learns when the node is ready."""
+        assert self.engine is not None
+        return {
+            "port": self.port,
+            "instance": self.engine.instance,
+            **self.engine.backend.describe(),
+        }
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Graceful: let running streams finish within ``grace_s``, then stop the engine."""
+        if self.health is not None:  # probes see NOT_SERVING while in-flight work drains
+            await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+        if self.engine is not None:
+            await self.engine.stop()
+        if self.source is not None:
+            await self.source.close()
+
+
+def main() -> None:
+    """Child-process entry: ``python -m pdx.serving.decode CONFIG INDEX [--cert-dir D] ...``."""
+    from pdx.serving.supervisor import run_child
+
+    run_child(DecodeNode.start)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,292 @@
+"""The deploy YAML: one validated model for the gateway, prefill and decode processes.
+
+Built once at the edge (``pdx deploy``) from the embedded default < YAML file < command
+line; each service receives its own validated sub-config and never reads the environment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdx.config import build_config, read_yaml
+from pdx.serving.backends.base import BackendConfig
+
+_Strict = ConfigDict(extra="forbid")
+
+
+class TLSConfig(BaseModel):
+    """Mutual TLS between every service. Without ``dir``, ``pdx deploy`` generates certificates."""
+
+    model_config = _Strict
+    enabled: bool = True
+    dir: Path | None = Field(None, description="directory made by `pdx certs init`")
+
+
+class KVConfig(BaseModel):
+    """KV store and transfer parameters (the contract's defaults)."""
+
+    model_config = _Strict
+    codec: str = "raw"
+    chunk_size_kb: int = Field(1024, ge=64, le=8192)
+    kv_transfer_timeout_ms: float = Field(300.0, gt=0)
+    kv_retry_budget: int = Field(2, ge=0, le=10)
+    kv_ttl_seconds: int = Field(120, ge=60, le=300)
+    max_inflight_kv: int = Field(32, ge=1)
+    store_budget_bytes: int = Field(2 * 1024**3, gt=0)
+    via_proxy: bool = Field(False, description="route decode's KV reads through a fault proxy")
+
+    @field_validator("codec")
+    @classmethod
+    def _known_codec(cls, value: str) -> str:
+        from pdx.kv.codecs import codec_names
+
+        if value not in codec_names():
+            raise ValueError(f"unknown codec; expected one of {', '.join(codec_names())}")
+        return value
+
+
+class PrefillConfig(BaseModel):
+    """Prefill instances (each also holds a KV store)."""
+
+    model_config = _Strict
+    count: int = Field(1, ge=0, le=64)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535, description="0 = ephemeral; instance i uses port+i")
+    kv_port: int = Field(0, ge=0, le=65535)
+    max_inflight: int = Field(4, ge=1)
+    max_queue: int = Field(64, ge=0)
+    rate_limit_qps: float = Field(1000.0, gt=0)
+    netns: str | None = Field(None, description="run inside this network namespace (root)")
+
+
+class DecodeConfig(BaseModel):
+    """Decode instances (continuous batching, KV memory budget, local prefill)."""
+
+    model_config = _Strict
+    count: int = Field(1, ge=1, le=64)
+    host: str = "127.0.0.1"
+    port: int = Field(0, ge=0, le=65535)
+    max_batch: int = Field(8, ge=1)
+    max_queue: int = Field(16, ge=0)
+    kv_budget_bytes: int = Field(512 * 1024**2, gt=0)
+    netns: str | None = Field(None, description="run inside this network namespace (root)")
+
+
+class RouterConfig(BaseModel):
+    """Routing, conditional disaggregation, circuit breaker and stickiness."""
+
+    model_config = _Strict
+    local_prefill_max_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="prompts shorter than this prefill on decode; default: measure-kv "
+        "break-even (needs link_gbps and a measure-kv preset model), else 1024",
+    )
+    link_gbps: float | None = Field(None, gt=0, description="link speed for the break-even")
+    transfer_overhead_ms: float = Field(1.0, ge=0, description="fixed cost per KV transfer")
+    degrade_p99_ms: float = Field(50.0, gt=0)
+    success_rate_threshold: float = Field(0.999, gt=0, le=1)
+    breaker_window: int = Field(100, ge=5, description="transfers the breaker looks back over")
+    breaker_min_samples: int = Field(20, ge=1)
+    breaker_open_s: float = Field(5.0, gt=0, description="time open before a half-open probe")
+    sticky: bool = True
+    sticky_entries: int = Field(10000, ge=1)
+    status_poll_ms: float = Field(250.0, gt=0)
+
+
+class GatewayConfig(BaseModel):
+    """The OpenAI-compatible HTTP front door."""
+
+    model_config = _Strict
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    default_max_tokens: int = Field(16, ge=1)
+    request_timeout_s: float = Field(120.0, gt=0)
+    retry_after_s: int = Field(1, ge=1)
+
+
+class SupervisorConfig(BaseModel):
+    """How child processes are watched."""
+
+    model_config = _Strict
+    max_restarts: int = Field(3, ge=0)
+    backoff_initial_s: float = Field(0.5, gt=0)
+    backoff_max_s: float = Field(10.0, gt=0)
+    ready_timeout_s: float = Field(120.0, gt=0)
+    shutdown_grace_s: float = Field(5.0, gt=0)
+
+
+class Resources(BaseModel):
+    """Kubernetes resource requests for one container."""
+
+    model_config = _Strict
+    cpu: str = "2"
+    memory: str = "8Gi"
+
+
+class K8sConfig(BaseModel):
+    """Only used by ``pdx deploy --render k8s``: image, namespaces (one per site), ports."""
+
+    model_config = _Strict
+    image: str = "pdx:0.1.0"
+    site_a_namespace: str = "pdx-site-a"
+    site_b_namespace: str = "pdx-site-b"
+    cluster_domain: str = "svc.cluster.local"
+    grpc_port: int = Field(50051, gt=0, le=65535)
+    kv_port: int = Field(50052, gt=0, le=65535)
+    health_port: int = Field(8081, gt=0, le=65535)
+    gateway_port: int = Field(8000, gt=0, le=65535)
+    prefill_resources: Resources = Field(default_factory=lambda: Resources.model_validate({}))
+    decode_resources: Resources = Field(default_factory=lambda: Resources.model_validate({}))
+    gateway_resources: Resources = Field(
+        default_factory=lambda: Resources.model_validate({"cpu": "500m", "memory": "512Mi"})
+    )
+
+
+class DeployConfig(BaseModel):
+    """Everything ``pdx deploy`` starts, in one document."""
+
+    model_config = _Strict
+    model: BackendConfig = Field(default_factory=lambda: BackendConfig.model_validate({}))
+    prefill: PrefillConfig = Field(default_factory=lambda: PrefillConfig.model_validate({}))
+    decode: DecodeConfig = Field(default_factory=lambda: DecodeConfig.model_validate({}))
+    kv: KVConfig = Field(default_factory=lambda: KVConfig.model_validate({}))
+    router: RouterConfig = Field(default_factory=lambda: RouterConfig.model_validate({}))
+    gateway: GatewayConfig = Field(default_factory=lambda: GatewayConfig.model_validate({}))
+    tls: TLSConfig = Field(default_factory=lambda: TLSConfig.model_validate({}))
+    supervisor: SupervisorConfig = Field(
+        default_factory=lambda: SupervisorConfig.model_validate({})
+    )
+    k8s: K8sConfig = Field(default_factory=lambda: K8sConfig.model_validate({}))
+
+    @model_validator(mode="after")
+    def _netns_needs_reachable_certs(self) -> DeployConfig:
+        placed = self.prefill.netns or self.decode.netns
+        if placed and self.tls.enabled and self.tls.dir is None:
+            raise ValueError(
+                "prefill/decode in a network namespace: generated certificates name loopback "
+                "only; give tls.dir with certificates for the namespace addresses, or set "
+                "tls.enabled=false"
+            )
+        return self
+
+
+DEFAULT_YAML = """\
+# pdx deploy: the embedded default. One prefill, one decode, a tiny random-weight model,
+# everything on loopback with mutual TLS (certificates generated at start).
+model:
+  backend: transformers
+  preset: tiny-llama
+  seed: 0
+prefill:
+  count: 1
+  host: 127.0.0.1
+decode:
+  count: 1
+  host: 127.0.0.1
+  max_batch: 8
+  max_queue: 16
+kv:
+  codec: raw
+  chunk_size_kb: 1024
+  kv_transfer_timeout_ms: 300
+  kv_retry_budget: 2
+  kv_ttl_seconds: 120
+router:
+  degrade_p99_ms: 50
+  success_rate_threshold: 0.999
+gateway:
+  host: 127.0.0.1
+  port: 8000
+tls:
+  enabled: true
+"""
+
+
+def default_config_dict() -> dict[str, Any]:
+    """The embedded default as a plain mapping."""
+    data: dict[str, Any] = yaml.safe_load(DEFAULT_YAML)
+    return data
+
+
+def load_deploy_config(
+    path: Path | str | None = None,
+    *,
+    dotted: list[str] | None = None,
+    base: dict[str, Any] | None = None,
+) -> DeployConfig:
+    """Embedded default, replaced by ``path`` when given, then ``--set`` overrides; validated."""
+    data = read_yaml(path) if path is not None else (base or default_config_dict())
+    source = str(path) if path is not None else "embedded default"
+    return build_config(DeployConfig, source=source, base=data, dotted=dotted)
+
+
+def to_yaml(cfg: DeployConfig) -> str:
+    """The config as YAML (round-trips through :func:`load_deploy_config`)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 1024
+
+
+def local_prefill_threshold(cfg: DeployConfig) -> int:
+    """Prompt length below which decode prefills locally.
+
+    The configured value; else measure-kv's transfer-vs-recompute break-even for the model
+    (a measure-kv preset, with ``router.link_gbps`` and ``model.prefill_tflops``); else 1024.
+    """
+    if cfg.router.local_prefill_max_tokens is not None:
+        return cfg.router.local_prefill_max_tokens
+    seq = break_even_tokens(cfg)
+    return seq if seq is not None else DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+
+
+def break_even_tokens(cfg: DeployConfig) -> int | None:
+    """measure-kv's break-even prompt length for this model and link, or None if unknown."""
+    import json
+    from importlib import resources
+
+    if cfg.router.link_gbps is None:
+        return None
+    try:
+        text = resources.files("pdx.kv.presets").joinpath(f"{cfg.model.preset}.json").read_text()
+    except (FileNotFoundError, ModuleNotFoundError):
+        return None
+    from pdx.kv.budget import LinkParams, break_even_seq
+    from pdx.kv.spec import build_spec
+
+    spec = build_spec(json.loads(text), name=cfg.model.preset)
+    link = LinkParams(
+        qps=1.0,
+        link_gbps=cfg.router.link_gbps,
+        prefill_tflops=cfg.model.prefill_tflops,
+        transfer_overhead_ms=cfg.router.transfer_overhead_ms,
+    )
+    return break_even_seq(spec, 1.0, link)
+
+
+Role = Literal["prefill", "decode"]
+
+
+@dataclass
+class NodeOptions:
+    """Per-process settings a supervisor (or a Kubernetes manifest) passes to one child."""
+
+    index: int = 0
+    cert_dir: Path | None = None
+    host: str | None = None  # bind address; default: the role's configured host
+    port: int | None = None  # exact port; default: configured port + index, or ephemeral
+    kv_port: int | None = None
+    advertise_host: str | None = None  # how peers reach this process (default: bind host)
+    health_port: int | None = None  # plaintext gRPC health only (Kubernetes probes)
+
+    def pick_port(self, configured: int, exact: int | None) -> int:
+        """``exact`` if given, else ``configured + index`` (0 stays ephemeral)."""
+        if exact is not None:
+            return exact
+        return configured + self.index if configured else 0

@@ -1,0 +1,282 @@
+"""The prefill service: runs the prompt, stores its KV, answers with the kv_id and first token.
+
+One process = one gRPC Prefill service + the KV store that holds what it produced (decode
+instances read from that store over the KV transfer contract). Admission is bounded:
+``max_inflight`` prompts run at once, at most ``max_queue`` wait, and ``rate_limit_qps``
+caps arrivals; anything beyond is refused with RESOURCE_EXHAUSTED, never queued unboundedly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
+
+import grpc
+from pydantic import BaseModel
+
+from pdx._proto import serving_pb2, serving_pb2_grpc
+from pdx.serving.backends.base import ModelBackend
+from pdx.serving.backends.kvwire import EncodedKV, encode_kv
+from pdx.serving.backends.sampling import pick_token
+from pdx.serving.contract import KVClientConfig, KVStoreConfig, TLSConfig
+from pdx.serving.deploy_config import DeployConfig, KVConfig, NodeOptions, PrefillConfig
+from pdx.serving.rpc import create_server, set_serving, start_health_server
+
+SERVICE = "pdx.serving.v1.Prefill"
+
+
+class KVSink(Protocol):
+    """Where prefill puts KV: the store this process holds."""
+
+    endpoint: str
+
+    async def put(self, encoded: EncodedKV, model_version: str, ttl_s: int) -> tuple[str, int]:
+        """Store an object; return (kv_id, stored bytes)."""
+        ...
+
+
+class TokenBucket:
+    """Arrival rate limit: ``rate`` per second with a burst of one second's worth."""
+
+    def __init__(self, rate_per_s: float) -> None:
+        self.rate = rate_per_s
+        self.tokens = rate_per_s
+        self.stamp = time.monotonic()
+
+    def take(self) -> bool:
+        """True when a request may pass now."""
+        now = time.monotonic()
+        self.tokens = min(self.rate, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+
+def check_prompt(token_ids: list[int], backend: ModelBackend, max_new: int) -> str | None:
+    """Why a prompt is unacceptable, or None."""
+    if not token_ids:
+        return "prompt is empty"
+    if len(token_ids) + max_new > backend.max_context_tokens:
+        return (
+            f"prompt of {len(token_ids)} tokens + max_tokens {max_new} exceeds the model's "
+            f"context of {backend.max_context_tokens} tokens"
+        )
+    bad = [t for t in token_ids if not 0 <= t < backend.vocab_size]
+    if bad:
+        return f"token id {bad[0]} is outside the vocabulary [0, {backend.vocab_size})"
+    return None
+
+
+class PrefillServicer(serving_pb2_grpc.PrefillServicer):
+    """gRPC Prefill: bounded admission → model prefill → encode → KV store put."""
+
+    def __init__(
+        self, backend: ModelBackend, cfg: PrefillConfig, kv_cfg: KVConfig, sink: KVSink
+    ) -> None:
+        self.backend = backend
+        self.cfg = cfg
+        self.kv_cfg = kv_cfg
+        self.sink = sink
+        self._slots = asyncio.Semaphore(cfg.max_inflight)
+        self._waiting = 0
+        self._bucket = TokenBucket(cfg.rate_limit_qps)
+        self._model = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
+        self._codec_pool = ThreadPoolExecutor(2, thread_name_prefix="prefill-codec")
+
+    async def Prefill(
+        self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> serving_pb2.PrefillReply:
+        """Run one prompt; the reply carries kv_id, first token and timings."""
+        if not self._bucket.take():
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill rate limit")
+        if self._waiting >= self.cfg.max_queue + self.cfg.max_inflight:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue full")
+        ids = list(request.token_ids)
+        problem = check_prompt(ids, self.backend, 0)
+        if problem:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        self._waiting += 1
+        arrived = time.perf_counter()
+        try:
+            async with self._slots:
+                return await self._run(request, ids, arrived)
+        finally:
+            self._waiting -= 1
+
+    async def _run(
+        self, request: serving_pb2.PrefillRequest, ids: list[int], arrived: float
+    ) -> serving_pb2.PrefillReply:
+        loop = asyncio.get_running_loop()
+        started = time.perf_counter()
+        state, logits = await loop.run_in_executor(self._model, self.backend.prefill, ids)
+        done = time.perf_counter()
+        s = request.sampling
+        first = pick_token(logits, s.temperature, s.seed, len(ids))
+        codec = request.codec or self.kv_cfg.codec
+        layers = len(state.tensors) // 2
+        encoded = await loop.run_in_executor(self._codec_pool, encode_kv, state, codec, layers)
+        kv_id, stored = await self.sink.put(
+            encoded, self.backend.model_version, self.kv_cfg.kv_ttl_seconds
+        )
+        return serving_pb2.PrefillReply(
+            kv_id=kv_id,
+            first_token=first,
+            kv_endpoint=self.sink.endpoint,
+            kv_bytes=stored,
+            kv_raw_bytes=encoded.raw_bytes,
+            prefill_ms=(done - started) * 1e3,
+            store_ms=(time.perf_counter() - done) * 1e3,
+            queue_ms=(started - arrived) * 1e3,
+            model_version=self.backend.model_version,
+            codec=codec,
+        )
+
+    def close(self) -> None:
+        """Stop the worker threads."""
+        self._model.shutdown(wait=False, cancel_futures=True)
+        self._codec_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def describe(servicer: PrefillServicer) -> dict[str, Any]:
+    """What the process announces when ready."""
+    return {"kv_endpoint": servicer.sink.endpoint, **servicer.backend.describe()}
+
+
+class StoreSink:
+    """Puts KV into this process's own store through the KV client (the contract's Put)."""
+
+    def __init__(self, client: Any, endpoint: str) -> None:
+        self.client = client
+        self.endpoint = endpoint
+
+    async def put(self, encoded: EncodedKV, model_version: str, ttl_s: int) -> tuple[str, int]:
+        """Store ``encoded``; return (kv_id, stored bytes)."""
+        from pdx.serving.contract import KVLayout
+
+        layout = KVLayout(**encoded.layout)
+        kv_id = await self.client.put(
+            encoded.payload, layout, model_version=model_version, ttl_s=ttl_s
+        )
+        return str(kv_id), len(encoded.payload)
+
+
+class PrefillNode:
+    """One running prefill process: the Prefill gRPC service and the KV store it holds."""
+
+    def __init__(self) -> None:
+        self.server: grpc.aio.Server | None = None
+        self.kv_server: Any = None
+        self.servicer: PrefillServicer | None = None
+        self.client: Any = None
+        self.port = 0
+        self.kv_port = 0
+        self.health_server: grpc.aio.Server | None = None
+        self.health: Any = None
+
+    @classmethod
+    async def start(cls, cfg: DeployConfig, opts: NodeOptions) -> PrefillNode:
+        """Build the model, start the store and the service; ports are bound when this returns."""
+        from pdx.serving.backends import create_backend
+        from pdx.serving.kv_client import KVClient
+        from pdx.serving.kv_server import create_kv_server
+
+        node = cls()
+        pc, kc, certs = cfg.prefill, cfg.kv, opts.cert_dir
+        host = opts.host or pc.host
+        backend = await asyncio.to_thread(create_backend, cfg.model)
+        node.kv_server, node.kv_port = await create_kv_server(kv_store_config(cfg, opts))
+        local = f"{_dialable(host)}:{node.kv_port}"
+        advertised = f"{opts.advertise_host or _dialable(host)}:{node.kv_port}"
+        tls = tls_for(certs, "prefill")
+        node.client = KVClient(local, kv_client_config(cfg, "prefill"), tls=tls)
+        node.servicer = PrefillServicer(backend, pc, kc, StoreSink(node.client, advertised))
+        node.server, node.port, health = create_server(
+            host, opts.pick_port(pc.port, opts.port), tls
+        )
+        serving_pb2_grpc.add_PrefillServicer_to_server(node.servicer, node.server)
+        await node.server.start()
+        await set_serving(health, SERVICE)
+        node.health_server = await start_health_server(host, opts.health_port, health)
+        node.health = health
+        return node
+
+    def announce(self) -> dict[str, Any]:
+        """What the supervisor learns when the node is ready."""
+        assert self.servicer is not None
+        return {"port": self.port, "kv_port": self.kv_port, **describe(self.servicer)}
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Graceful: stop taking requests, finish in-flight ones, then close the store."""
+        if self.health is not None:  # probes see NOT_SERVING while in-flight work drains
+            await self.health.enter_graceful_shutdown()
+        if self.server is not None:
+            await self.server.stop(grace_s)
+        if self.health_server is not None:
+            await self.health_server.stop(0)
+        if self.client is not None:
+            await self.client.close()
+        if self.kv_server is not None:
+            await self.kv_server.stop(grace_s)
+        if self.servicer is not None:
+            self.servicer.close()
+
+
+def tls_for(cert_dir: Path | None, name: str) -> TLSConfig | None:
+    """This service's mutual-TLS identity, or None when TLS is off."""
+    return TLSConfig(cert_dir=cert_dir, name=name) if cert_dir is not None else None
+
+
+def kv_store_config(cfg: DeployConfig, opts: NodeOptions) -> KVStoreConfig:
+    """The store a prefill instance holds, from the deploy config."""
+    kv, pc = cfg.kv, cfg.prefill
+    return _known(
+        KVStoreConfig,
+        host=opts.host or pc.host,
+        port=opts.pick_port(pc.kv_port, opts.kv_port),
+        budget_bytes=kv.store_budget_bytes,
+        kv_ttl_seconds=kv.kv_ttl_seconds,
+        max_inflight_kv=kv.max_inflight_kv,
+        tls=tls_for(opts.cert_dir, "kv-store"),
+    )
+
+
+def _dialable(host: str) -> str:
+    # A wildcard bind address is not something a peer can dial.
+    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+
+
+def kv_client_config(cfg: DeployConfig, client_id: str) -> KVClientConfig:
+    """Transfer parameters (deadline, retry budget, chunk size) from the deploy config."""
+    kv = cfg.kv
+    return _known(
+        KVClientConfig,
+        kv_transfer_timeout_ms=int(kv.kv_transfer_timeout_ms),
+        kv_retry_budget=kv.kv_retry_budget,
+        chunk_size_kb=kv.chunk_size_kb,
+        kv_ttl_seconds=kv.kv_ttl_seconds,
+        client_id=client_id,
+    )
+
+
+M = TypeVar("M", bound=BaseModel)
+
+
+def _known(model: type[M], **values: Any) -> M:
+    # Pass only the fields the transfer layer's config defines (it owns that schema).
+    return model.model_validate({k: v for k, v in values.items() if k in model.model_fields})
+
+
+def main() -> None:
+    """Child-process entry: ``python -m pdx.serving.prefill CONFIG INDEX [--cert-dir D] ...``."""
+    from pdx.serving.supervisor import run_child
+
+    run_child(PrefillNode.start)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""Routing: which decode instance, which path (disaggregated or local), and when to refuse.
+
+Decode score (higher is better), for a healthy instance with room::
+
+    score = kv_free_bytes / kv_budget_bytes  -  (queue_depth + in_flight) / (max_batch + max_queue)
+
+An instance is a candidate only when healthy and ``in_flight < max_batch + max_queue``; with
+no candidate the request is refused early (HTTP 429 + Retry-After), never queued without
+bound. A ``user``/session key sticks to the instance that served it while that instance is
+a candidate. Prompts shorter than ``local_prefill_max_tokens`` prefill locally on decode;
+an open circuit breaker sends ``auto`` traffic local too.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from pdx.serving.deploy_config import RouterConfig
+
+Route = Literal["auto", "disaggregated", "local"]
+ROUTES: tuple[str, ...] = ("auto", "disaggregated", "local")
+
+
+@dataclass
+class DecodeInstance:
+    """What the router knows about one decode instance (polled Status + its own in-flight)."""
+
+    name: str
+    address: str
+    stub: Any = None
+    healthy: bool = False
+    queue_depth: int = 0
+    running: int = 0
+    max_batch: int = 1
+    max_queue: int = 0
+    kv_budget_bytes: int = 1
+    kv_free_bytes: int = 1
+    in_flight: int = 0
+
+    @property
+    def capacity(self) -> int:
+        """Requests it accepts at once."""
+        return self.max_batch + self.max_queue
+
+    def score(self) -> float | None:
+        """The documented score, or None when it cannot take a request now."""
+        if not self.healthy or self.in_flight >= self.capacity:
+            return None
+        free = self.kv_free_bytes / max(1, self.kv_budget_bytes)
+        return free - (self.queue_depth + self.in_flight) / max(1, self.capacity)
+
+
+@dataclass
+class PrefillInstance:
+    """One prefill instance (gRPC address) and the gateway's in-flight count to it."""
+
+    name: str
+    address: str
+    stub: Any = None
+    healthy: bool = True
+    in_flight: int = 0
+
+
+class CircuitBreaker:
+    """Opens when transfer P99 > ``degrade_p99_ms`` or success rate < threshold over a window.
+
+    Open → after ``breaker_open_s`` one half-open probe is let through; its success closes
+    the breaker (window cleared), its failure opens it again.
+    """
+
+    def __init__(self, cfg: RouterConfig) -> None:
+        self.cfg = cfg
+        self.window: deque[tuple[bool, float]] = deque(maxlen=cfg.breaker_window)
+        self.state: Literal["closed", "open", "half_open"] = "closed"
+        self.opened_at = 0.0
+        self.reason = ""
+        self._probe_out = False
+
+    def allow(self) -> bool:
+        """Whether a disaggregated transfer may be attempted now (may start a probe)."""
+        if self.state == "closed":
+            return True
+        if self.state == "open" and time.monotonic() - self.opened_at >= self.cfg.breaker_open_s:
+            self.state = "half_open"
+        if self.state == "half_open" and not self._probe_out:
+            self._probe_out = True
+            return True
+        return False
+
+    def record(self, ok: bool, transfer_ms: float) -> None:
+        """Feed one transfer outcome."""
+        if self.state == "half_open":
+            self._probe_out = False
+            if ok:
+                self.state, self.reason = "closed", ""
+                self.window.clear()
+            else:
+                self._open("probe_failed")
+            return
+        self.window.append((ok, transfer_ms))
+        if self.state == "closed":
+            reason = self._trip_reason()
+            if reason:
+                self._open(reason)
+
+    def _trip_reason(self) -> str:
+        if len(self.window) < self.cfg.breaker_min_samples:
+            return ""
+        oks = [ms for ok, ms in self.window if ok]
+        rate = len(oks) / len(self.window)
+        if rate < self.cfg.success_rate_threshold:
+            return "success_rate"
+        if oks and p99(oks) > self.cfg.degrade_p99_ms:
+            return "transfer_p99"
+        return ""
+
+    def _open(self, reason: str) -> None:
+        self.state, self.reason, self.opened_at = "open", reason, time.monotonic()
+
+
+def p99(values: list[float]) -> float:
+    """Nearest-rank 99th percentile."""
+    ordered = sorted(values)
+    return ordered[max(0, min(len(ordered) - 1, int(0.99 * len(ordered) + 0.5) - 1))]
+
+
+@dataclass
+class Decision:
+    """Where a request goes: path, instances, and whether (and why) it was degraded."""
+
+    route: Literal["disaggregated", "local"]
+    decode: DecodeInstance
+    prefill: PrefillInstance | None = None
+    degrade_reason: str = ""
+
+
+@dataclass
+class Router:
+    """Chooses instances and path; holds the breaker and the sticky map."""
+
+    cfg: RouterConfig
+    local_prefill_max_tokens: int
+    decodes: list[DecodeInstance] = field(default_factory=list)
+    prefills: list[PrefillInstance] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.breaker = CircuitBreaker(self.cfg)
+        self.sticky: OrderedDict[str, str] = OrderedDict()
+
+    def pick_decode(self, user: str | None) -> DecodeInstance | None:
+        """Sticky instance if it can take the request, else the best score; None = reject."""
+        if user and self.cfg.sticky and user in self.sticky:
+            inst = next((d for d in self.decodes if d.name == self.sticky[user]), None)
+            if inst is not None and inst.score() is not None:
+                self.sticky.move_to_end(user)
+                return inst
+        scored = [(s, d) for d in self.decodes if (s := d.score()) is not None]
+        if not scored:
+            return None
+        best = max(scored, key=lambda pair: pair[0])[1]
+        if user and self.cfg.sticky:
+            self.sticky[user] = best.name
+            self.sticky.move_to_end(user)
+            while len(self.sticky) > self.cfg.sticky_entries:
+                self.sticky.popitem(last=False)
+        return best
+
+    def pick_prefill(self) -> PrefillInstance | None:
+        """The healthy prefill instance with the fewest requests in flight."""
+        healthy = [p for p in self.prefills if p.healthy]
+        return min(healthy, key=lambda p: p.in_flight) if healthy else None
+
+    def decide(self, requested: str, prompt_tokens: int, user: str | None) -> Decision | None:
+        """Path and instances for one request; None when no decode capacity (early rejection)."""
+        decode = self.pick_decode(user)
+        if decode is None:
+            return None
+        if requested == "local":
+            return Decision("local", decode)
+        if requested == "auto" and prompt_tokens < self.local_prefill_max_tokens:
+            return Decision("local", decode)
+        prefill = self.pick_prefill()
+        if prefill is None:
+            return Decision("local", decode, degrade_reason="prefill_unavailable")
+        if requested == "auto" and not self.breaker.allow():
+            return Decision("local", decode, degrade_reason=f"circuit_open:{self.breaker.reason}")
+        return Decision("disaggregated", decode, prefill)

@@ -1,0 +1,393 @@
+"""Running a deployment: child processes, readiness, restart with backoff, clean shutdown.
+
+``Deployment(cfg).start()`` generates mutual-TLS material (unless given), starts N prefill
+and M decode processes (each binds an ephemeral port unless told otherwise and announces
+itself on stdout with one ``PDX-READY {json}`` line), optionally puts a fault proxy in front
+of each KV store, then starts the gateway in this process. A child that dies is restarted
+on the same ports with exponential backoff, up to ``max_restarts``; past that the
+deployment fails loudly. ``stop()`` shuts everything down (SIGTERM, grace, then SIGKILL).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from pdx.errors import PdxError
+from pdx.serving.deploy_config import DeployConfig, NodeOptions, load_deploy_config
+
+READY_PREFIX = "PDX-READY "
+CERT_NAMES = ("kv-store", "prefill", "decode", "gateway")
+log = logging.getLogger("pdx.deploy")
+
+
+class DeployError(PdxError):
+    """The deployment could not start or lost a child past its restart budget."""
+
+
+class Node(Protocol):
+    """What a child process runs (prefill or decode)."""
+
+    def announce(self) -> dict[str, Any]:
+        """Ports and labels, sent to the supervisor once ready."""
+        ...
+
+    async def stop(self, grace_s: float = 2.0) -> None:
+        """Graceful shutdown."""
+        ...
+
+
+StartFn = Callable[..., Awaitable[Node]]
+
+
+def child_arguments(argv: list[str]) -> tuple[str, NodeOptions]:
+    """Parse a child's command line: ``CONFIG INDEX [--cert-dir D] [--port P] ...``."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="pdx-node")
+    p.add_argument("config")
+    p.add_argument("index", type=int)
+    p.add_argument("--cert-dir", type=Path)
+    p.add_argument("--host")
+    p.add_argument("--port", type=int)
+    p.add_argument("--kv-port", type=int)
+    p.add_argument("--advertise-host")
+    p.add_argument("--health-port", type=int)
+    a = p.parse_args(argv)
+    opts = NodeOptions(a.index, a.cert_dir, a.host, a.port, a.kv_port, a.advertise_host,
+                       a.health_port)  # fmt: skip
+    return a.config, opts
+
+
+def run_child(start: StartFn) -> None:
+    """Child main (see :func:`child_arguments`); SIGTERM or SIGINT stops it gracefully."""
+    config, opts = child_arguments(sys.argv[1:])
+    cfg = load_deploy_config(config)  # YAML or JSON (a ConfigMap mounts the YAML)
+    asyncio.run(_child(start, cfg, opts))
+    # Everything was stopped explicitly above; skip interpreter teardown, where the gRPC
+    # core can spend seconds (measured ~5 s) with nothing left to do.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+async def _child(start: StartFn, cfg: DeployConfig, opts: NodeOptions) -> None:
+    node = await start(cfg, opts)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    sys.stdout.write(READY_PREFIX + json.dumps(node.announce()) + "\n")
+    sys.stdout.flush()
+    await stop.wait()
+    await node.stop(cfg.supervisor.shutdown_grace_s)
+
+
+@dataclass
+class Child:
+    """One supervised process."""
+
+    role: str
+    index: int
+    proc: asyncio.subprocess.Process | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    restarts: int = 0
+    log_path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        """``prefill-0``, ``decode-1``, ..."""
+        return f"{self.role}-{self.index}"
+
+    def address(self, host: str) -> str:
+        """gRPC address of its service."""
+        return f"{host}:{self.info['port']}"
+
+
+@dataclass
+class Endpoints:
+    """Where things listen once the deployment is up."""
+
+    gateway: str
+    prefill: list[dict[str, Any]]
+    decode: list[dict[str, Any]]
+    proxies: list[dict[str, Any]]
+    tls_dir: str | None
+    work_dir: str
+    model: dict[str, Any]
+
+
+class Deployment:
+    """The whole pair on one machine, started from one validated config."""
+
+    def __init__(self, cfg: DeployConfig, *, work_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        if work_dir is None:
+            self._tmp = tempfile.TemporaryDirectory(prefix="pdx-deploy-")
+            work_dir = Path(self._tmp.name)
+        self.work_dir = work_dir
+        self.cert_dir: Path | None = None
+        self.children: list[Child] = []
+        self.proxies: list[Any] = []
+        self.controls: list[Any] = []
+        self.gateway: Any = None
+        self.failed: str | None = None
+        self._stopping = False
+        self._watchers: list[asyncio.Task[None]] = []
+
+    # --- start ---------------------------------------------------------------------
+
+    async def start(self) -> Endpoints:
+        """Start every process and the gateway; raise DeployError if any cannot start."""
+        if (self.cfg.prefill.netns or self.cfg.decode.netns) and os.geteuid() != 0:
+            raise DeployError("prefill.netns / decode.netns need root (ip netns exec)")
+        self.work_dir.mkdir(parents=True, exist_ok=True)
+        self.cert_dir = self._certs()
+        cfg_path = self.work_dir / "deploy.json"
+        cfg_path.write_text(self.cfg.model_dump_json())
+        self.children = [Child("prefill", i) for i in range(self.cfg.prefill.count)]
+        self.children += [Child("decode", i) for i in range(self.cfg.decode.count)]
+        try:
+            await asyncio.gather(*(self._spawn(c) for c in self.children))
+            await self._start_proxies()
+            await self._start_gateway()
+        except BaseException:
+            await self.stop()
+            raise
+        self._watchers = [asyncio.create_task(self._watch(c)) for c in self.children]
+        return self.endpoints()
+
+    def _certs(self) -> Path | None:
+        tls = self.cfg.tls
+        if not tls.enabled:
+            return None
+        if tls.dir is not None:
+            return tls.dir
+        from pdx.serving.tls import init_certs
+
+        cert_dir = self.work_dir / "certs"
+        if not (cert_dir / "ca.pem").exists():
+            init_certs(cert_dir, CERT_NAMES, days=7)
+        return cert_dir
+
+    def _argv(self, child: Child) -> list[str]:
+        module = f"pdx.serving.{child.role}"
+        argv = [sys.executable, "-m", module, str(self.work_dir / "deploy.json"), str(child.index)]
+        netns = self.cfg.prefill.netns if child.role == "prefill" else self.cfg.decode.netns
+        if netns:
+            argv = ["ip", "netns", "exec", netns, *argv]
+        if self.cert_dir:
+            argv += ["--cert-dir", str(self.cert_dir)]
+        if child.info:  # a restart: the same ports as before, so peers keep their addresses
+            argv += ["--port", str(child.info["port"])]
+            if child.info.get("kv_port"):
+                argv += ["--kv-port", str(child.info["kv_port"])]
+        return argv
+
+    async def _spawn(self, child: Child) -> None:
+        child.log_path = self.work_dir / f"{child.name}.log"
+        logf = child.log_path.open("ab")
+        try:
+            child.proc = await asyncio.create_subprocess_exec(
+                *self._argv(child), stdout=asyncio.subprocess.PIPE, stderr=logf
+            )
+        finally:
+            logf.close()
+        timeout = self.cfg.supervisor.ready_timeout_s
+        try:
+            info = await asyncio.wait_for(self._read_ready(child), timeout)
+        except TimeoutError:
+            raise DeployError(f"{child.name} not ready within {timeout:.0f} s") from None
+        child.info = {**info, "pid": child.proc.pid}
+
+    async def _read_ready(self, child: Child) -> dict[str, Any]:
+        assert child.proc is not None and child.proc.stdout is not None
+        while True:
+            line = await child.proc.stdout.readline()
+            if not line:
+                tail = _tail(child.log_path)
+                raise DeployError(f"{child.name} exited before it was ready: {tail}")
+            text = line.decode(errors="replace").strip()
+            if text.startswith(READY_PREFIX):
+                info: dict[str, Any] = json.loads(text[len(READY_PREFIX) :])
+                return info
+
+    async def _start_proxies(self) -> None:
+        if not self.cfg.kv.via_proxy:
+            return
+        from pdx.faults.api import ControlServer
+        from pdx.faults.proxy import FaultProxy
+
+        for child in self.children:
+            if child.role == "prefill":
+                host = self.cfg.prefill.host
+                proxy = FaultProxy((host, 0), (host, int(child.info["kv_port"])))
+                await proxy.start()
+                self.proxies.append(proxy)
+                control = ControlServer(proxy, "127.0.0.1", 0)
+                await control.start()
+                self.controls.append(control)
+
+    async def _start_gateway(self) -> None:
+        from pdx.serving.backends.tokenizer import ByteTokenizer
+        from pdx.serving.gateway import build_gateway
+        from pdx.serving.prefill import tls_for
+
+        cfg = self.cfg
+        prefills = [(c.name, c.address(cfg.prefill.host)) for c in self.children
+                    if c.role == "prefill"]  # fmt: skip
+        decodes = [(c.name, c.address(cfg.decode.host)) for c in self.children
+                   if c.role == "decode"]  # fmt: skip
+        tokenizer = await asyncio.to_thread(_tokenizer, cfg) if cfg.model.checkpoint else None
+        info = self._model_info()
+        self.gateway = build_gateway(
+            cfg,
+            prefills,
+            decodes,
+            tls=tls_for(self.cert_dir, "gateway"),
+            tokenizer=tokenizer or ByteTokenizer(),
+            max_context_tokens=int(info.get("max_context_tokens", 1024)),
+            model_name=str(info.get("model", cfg.model.preset)),
+            synthetic=bool(info.get("synthetic", False)),
+        )
+        prefill_children = [c for c in self.children if c.role == "prefill"] if self.proxies else []
+        for proxy, c in zip(self.proxies, prefill_children, strict=True):
+            real = c.info["kv_endpoint"]
+            self.gateway.kv_route[real] = f"{proxy.address[0]}:{proxy.port}"
+        await self.gateway.start(cfg.gateway.host, cfg.gateway.port)
+
+    def _model_info(self) -> dict[str, Any]:
+        decode = next(c for c in self.children if c.role == "decode")
+        return decode.info
+
+    def endpoints(self) -> Endpoints:
+        """The addresses a user (or a test) needs."""
+        gw = self.gateway
+        return Endpoints(
+            gateway=f"http://{self.cfg.gateway.host}:{gw.port}" if gw else "",
+            prefill=[{"name": c.name, **c.info} for c in self.children if c.role == "prefill"],
+            decode=[{"name": c.name, **c.info} for c in self.children if c.role == "decode"],
+            proxies=[
+                {
+                    "listen": f"{p.address[0]}:{p.port}",
+                    "upstream": list(p.upstream),
+                    "control": c.url,
+                }
+                for p, c in zip(self.proxies, self.controls, strict=True)
+            ],
+            tls_dir=str(self.cert_dir) if self.cert_dir else None,
+            work_dir=str(self.work_dir),
+            model=self._model_info() if self.children else {},
+        )
+
+    # --- supervision ---------------------------------------------------------------
+
+    async def _watch(self, child: Child) -> None:
+        sup = self.cfg.supervisor
+        while not self._stopping:
+            assert child.proc is not None
+            code = await child.proc.wait()
+            if self._stopping:
+                return
+            if child.restarts >= sup.max_restarts:
+                self.failed = f"{child.name} exited with {code}; restart budget spent"
+                log.error(self.failed)
+                return
+            delay = min(sup.backoff_max_s, sup.backoff_initial_s * 2**child.restarts)
+            child.restarts += 1
+            log.warning("%s exited with %s; restart %d in %.1f s", child.name, code,
+                        child.restarts, delay)  # fmt: skip
+            await asyncio.sleep(delay)
+            try:
+                await self._spawn(child)
+            except DeployError as exc:
+                log.error("%s", exc)
+
+    async def wait(self) -> str:
+        """Block until a child is beyond its restart budget; return why."""
+        while self.failed is None:
+            await asyncio.sleep(0.2)
+        return self.failed
+
+    # --- stop ----------------------------------------------------------------------
+
+    async def stop(self) -> None:
+        """Gateway first, then SIGTERM every child, SIGKILL after the grace period."""
+        self._stopping = True
+        for task in self._watchers:
+            task.cancel()
+        if self.gateway is not None:
+            await self.gateway.stop()
+        for control in self.controls:
+            await control.stop()
+        for proxy in self.proxies:
+            await proxy.stop()
+        await asyncio.gather(*(self._terminate(c) for c in self.children))
+        if self._tmp is not None:
+            self._tmp.cleanup()
+
+    async def _terminate(self, child: Child) -> None:
+        proc = child.proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), self.cfg.supervisor.shutdown_grace_s + 2)
+        except TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+
+
+def _tokenizer(cfg: DeployConfig) -> Any:
+    """The checkpoint's own tokenizer (no weights loaded), else byte-level."""
+    from pdx.serving.backends.tokenizer import ByteTokenizer, HFTokenizer
+
+    try:
+        from transformers import AutoTokenizer
+
+        return HFTokenizer(
+            AutoTokenizer.from_pretrained(cfg.model.checkpoint, local_files_only=True)
+        )
+    except (OSError, ValueError):
+        return ByteTokenizer()
+
+
+def _tail(path: Path | None, lines: int = 3) -> str:
+    if path is None or not path.exists():
+        return "(no log)"
+    text = path.read_text(errors="replace").strip().splitlines()
+    return " | ".join(text[-lines:]) or "(empty log)"
+
+
+async def serve_forever(cfg: DeployConfig, on_ready: Callable[[Endpoints], None]) -> str:
+    """``pdx deploy``: start, report, supervise until SIGINT/SIGTERM or a failure; stop cleanly."""
+    dep = Deployment(cfg)
+    endpoints = await dep.start()
+    on_ready(endpoints)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    failed = asyncio.create_task(dep.wait())
+    stopped = asyncio.create_task(stop.wait())
+    t0 = time.monotonic()
+    done, _ = await asyncio.wait({failed, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    for task in (failed, stopped):
+        task.cancel()
+    await dep.stop()
+    if failed in done:
+        raise DeployError(dep.failed or "a child failed")
+    return f"stopped cleanly after {time.monotonic() - t0:.1f} s of service"

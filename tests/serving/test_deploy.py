@@ -1,0 +1,254 @@
+"""``pdx deploy``: config validation through the CLI, and the real command end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+from typer.testing import CliRunner
+
+from pdx.cli.main import app
+from pdx.serving.deploy_config import load_deploy_config
+
+runner = CliRunner()
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--set", "decode.count=0"], "decode.count"),
+        (["--set", "kv.kv_ttl_seconds=10"], "kv.kv_ttl_seconds"),
+        (["--set", "kv.codec=gzip"], "kv.codec"),
+        (["--set", "gateway.colour=blue"], "gateway.colour: unknown key"),
+        (["--set", "model.backend=onnx"], "model.backend"),
+        (["--port", "70000"], "--port"),
+        (["--config", "/nonexistent/deploy.yaml"], "config"),
+        (["--render", "helm", "out"], "--render"),
+        (["--render", "k8s"], "OUT_DIR"),
+        (["somewhere"], "OUT_DIR"),
+    ],
+)
+def test_bad_input_is_one_clear_line_and_exit_2(args: list[str], needle: str) -> None:
+    result = runner.invoke(app, ["deploy", *args])
+    assert result.exit_code == 2, result.output
+    assert needle in result.output
+    assert "Traceback" not in result.output
+
+
+def test_bad_yaml_file_names_every_problem(tmp_path: Path) -> None:
+    cfg = tmp_path / "deploy.yaml"
+    cfg.write_text("decode:\n  max_batch: 0\nrouter:\n  degrade_p99_ms: -1\n")
+    result = runner.invoke(app, ["deploy", "--config", str(cfg)])
+    assert result.exit_code == 2
+    assert "decode.max_batch" in result.output and "router.degrade_p99_ms" in result.output
+
+
+def test_print_config_round_trips(tmp_path: Path) -> None:
+    result = runner.invoke(app, ["deploy", "--print-config", "--set", "decode.count=3"])
+    assert result.exit_code == 0
+    path = tmp_path / "deploy.yaml"
+    path.write_text(result.output)
+    cfg = load_deploy_config(path)
+    assert cfg.decode.count == 3
+    assert cfg == load_deploy_config(dotted=["decode.count=3"])
+
+
+def test_embedded_default_is_the_documented_pair() -> None:
+    cfg = load_deploy_config()
+    assert (cfg.prefill.count, cfg.decode.count) == (1, 1)
+    assert cfg.model.backend == "transformers" and cfg.model.preset == "tiny-llama"
+    assert cfg.tls.enabled and cfg.gateway.host == "127.0.0.1" and cfg.gateway.port == 8000
+    assert cfg.kv.kv_transfer_timeout_ms == 300 and cfg.kv.kv_retry_budget == 2
+
+
+# --- the real command -------------------------------------------------------------------
+
+
+def read_endpoints(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
+    """Read the JSON document ``pdx deploy --json`` prints once ready."""
+    assert proc.stdout is not None
+    deadline, text = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"pdx deploy exited early with {proc.wait()}")
+        text += line
+        try:
+            data: dict[str, Any] = json.loads(text)
+            return data
+        except json.JSONDecodeError:
+            continue
+    raise AssertionError("pdx deploy not ready in time")
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def processes_under(work_dir: str) -> list[int]:
+    """Pids whose command line names this deployment's work dir (its children)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if work_dir.encode() in cmd:
+                pids.append(int(entry.name))
+    return pids
+
+
+async def wait_ready(url: str, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    async with aiohttp.ClientSession() as s:
+        while time.monotonic() < deadline:
+            try:
+                async with s.get(url + "/readyz") as r:
+                    if r.status == 200:
+                        return
+            except aiohttp.ClientError:
+                pass
+            await asyncio.sleep(0.2)
+    raise AssertionError("gateway not ready again in time")
+
+
+async def stream_until_error(url: str, kill_pid: int) -> tuple[int, list[Any]]:
+    """Stream a long completion; kill the decode process after a few tokens."""
+    body = {"prompt": "hi", "max_tokens": 900, "stream": True, "ignore_eos": True,
+            "pdx_route": "local", "return_token_ids": True}  # fmt: skip
+    events: list[Any] = []
+    tokens = 0
+    async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        async for raw in r.content:
+            line = raw.decode().strip()
+            if not line.startswith("data: "):
+                continue
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+            tokens += 1
+            if tokens == 5:
+                os.kill(kill_pid, signal.SIGKILL)
+    return tokens, events
+
+
+@pytest.mark.slow
+async def test_pdx_deploy_serves_survives_a_killed_decode_and_stops_cleanly() -> None:
+    cmd = [sys.executable, "-c", "from pdx.cli.main import main; main()", "deploy", "--port", "0",
+           "--json",
+           "--set", "prefill.count=0", "--set", "supervisor.backoff_initial_s=0.2",
+           "--set", "router.status_poll_ms=100"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        ep = await asyncio.to_thread(read_endpoints, proc)
+        url, decode_pid = ep["gateway"], ep["decode"][0]["pid"]
+        assert url.startswith("http://127.0.0.1:") and ep["tls_dir"]
+        # Killing decode mid-stream ends the stream with a clear error, never a hang.
+        tokens, events = await asyncio.wait_for(stream_until_error(url, decode_pid), 60)
+        assert events[-1] == "[DONE]"
+        error = events[-2]["error"]
+        assert (
+            error["type"] == "decode_failed"
+            and "decode instance decode-0 failed" in (error["message"])
+        )
+        assert 5 <= tokens < 900
+        # The supervisor restarts decode (same port, backoff); service resumes.
+        await wait_ready(url, 90)
+        ok = {"prompt": "hi", "max_tokens": 3}
+        async with aiohttp.ClientSession() as s, s.post(url + "/v1/completions", json=ok) as r:
+            assert r.status == 200
+        children = processes_under(ep["work_dir"])
+        assert children and decode_pid not in children
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert rc == 0, proc.stderr.read() if proc.stderr else ""
+    assert not [p for p in children if alive(p)]
+
+
+CLIENT = """
+import json, sys, urllib.request
+out = {}
+for route in ("local", "disaggregated"):
+    body = {"prompt": "across two sites", "max_tokens": 12, "pdx_route": route,
+            "return_token_ids": True, "ignore_eos": True}
+    req = urllib.request.Request(sys.argv[1], json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        out[route] = json.load(r)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.system
+async def test_prefill_in_its_own_namespace_ships_kv_through_the_router_hop() -> None:
+    from pdx.faults.netns import down, make_config, up
+
+    net = make_config(prefix="pdxsv", rate_mbit=1000)
+    await asyncio.to_thread(up, net)
+    in_decode = ["ip", "netns", "exec", net.decode, sys.executable]
+    cmd = [*in_decode, "-c", "from pdx.cli.main import main; main()", "deploy", "--port", "0",
+           "--json", "--set", f"prefill.netns={net.prefill}", "--set", "prefill.host=10.77.1.1",
+           "--set", "tls.enabled=false", "--set", "kv.kv_transfer_timeout_ms=5000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ep = await asyncio.to_thread(read_endpoints, proc)
+        assert ep["prefill"][0]["kv_endpoint"].startswith("10.77.1.1:")
+        url = ep["gateway"] + "/v1/completions"
+        client = await asyncio.to_thread(
+            subprocess.run, [*in_decode, "-c", CLIENT, url],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert client.returncode == 0, client.stderr
+        out = json.loads(client.stdout)
+        dis, local = out["disaggregated"], out["local"]
+        assert dis["pdx"]["route"] == "disaggregated" and not dis["pdx"]["degraded"]
+        assert dis["pdx"]["kv_bytes"] > 0
+        assert dis["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        await asyncio.to_thread(down, net)
+    assert rc == 0
+
+
+@pytest.mark.slow
+async def test_a_child_past_its_restart_budget_fails_the_deployment_loudly() -> None:
+    from pdx.serving.supervisor import Deployment
+
+    sets = ["gateway.port=0", "prefill.count=0", "tls.enabled=false", "supervisor.max_restarts=0"]
+    dep = Deployment(load_deploy_config(dotted=sets))
+    await dep.start()
+    try:
+        pid = dep.endpoints().decode[0]["pid"]
+        os.kill(pid, signal.SIGKILL)
+        why = await asyncio.wait_for(dep.wait(), 30)
+        assert "decode-0 exited" in why and "restart budget spent" in why
+    finally:
+        await dep.stop()
+    assert not alive(pid)

@@ -1,0 +1,105 @@
+"""The prefill service over real gRPC: KV really stored, bounded admission, mutual TLS."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from pdx._proto import serving_pb2, serving_pb2_grpc
+from pdx.serving.backends import create_backend
+from pdx.serving.backends.kvwire import decode_kv
+from pdx.serving.contract import KVClientConfig
+from pdx.serving.deploy_config import NodeOptions, load_deploy_config
+from pdx.serving.kv_client import KVClient
+from pdx.serving.prefill import PrefillNode
+from pdx.serving.tls import init_certs
+
+PROMPT = list(range(40, 72))
+
+
+async def start(tmp: Path | None = None, *sets: str) -> PrefillNode:
+    cfg = load_deploy_config(dotted=list(sets))
+    return await PrefillNode.start(cfg, NodeOptions(cert_dir=tmp))
+
+
+@pytest.fixture
+async def node() -> AsyncIterator[PrefillNode]:
+    n = await start(None)
+    yield n
+    await n.stop(0.5)
+
+
+def request(ids: list[int], codec: str = "") -> serving_pb2.PrefillRequest:
+    return serving_pb2.PrefillRequest(
+        request_id="t", token_ids=ids, codec=codec, sampling=serving_pb2.SamplingParams()
+    )
+
+
+async def test_prefill_stores_the_real_kv_and_returns_the_first_token(node: PrefillNode) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+        reply = await serving_pb2_grpc.PrefillStub(ch).Prefill(request(PROMPT), timeout=30)
+    backend = create_backend(load_deploy_config().model)
+    state, logits = backend.prefill(PROMPT)
+    assert reply.first_token == int(logits.argmax())
+    assert reply.kv_raw_bytes == state.nbytes and reply.kv_bytes >= state.nbytes
+    assert reply.kv_endpoint == f"127.0.0.1:{node.kv_port}"
+    assert reply.model_version == backend.model_version and reply.kv_id.startswith("kv1.")
+    async with KVClient(reply.kv_endpoint, KVClientConfig(kv_transfer_timeout_ms=5000)) as kv:
+        obj = await kv.get(reply.kv_id)
+        layout = {"codec": obj.layout.codec, "shapes": obj.layout.shapes,
+                  "tensor_bytes": obj.layout.tensor_bytes}  # fmt: skip
+        rebuilt = decode_kv(obj.data, layout, backend, len(PROMPT))
+        await kv.release(reply.kv_id)
+    for a, b in zip(state.tensors, rebuilt.tensors, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize(("ids", "needle"), [([], "empty"), ([4, 5, 100000], "vocabulary")])
+async def test_bad_prompts_are_invalid_argument(
+    node: PrefillNode, ids: list[int], needle: str
+) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await serving_pb2_grpc.PrefillStub(ch).Prefill(request(ids), timeout=30)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and needle in err.value.details()
+
+
+async def test_rate_limit_refuses_instead_of_queueing() -> None:
+    n = await start(None, "prefill.rate_limit_qps=2")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{n.port}") as ch:
+            stub = serving_pb2_grpc.PrefillStub(ch)
+            results = await asyncio.gather(
+                *(stub.Prefill(request(PROMPT), timeout=30) for _ in range(6)),
+                return_exceptions=True,
+            )
+    finally:
+        await n.stop(0.5)
+    refused = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
+    assert len(refused) >= 3
+    assert all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in refused)
+    assert "rate limit" in refused[0].details()
+
+
+async def test_client_without_certificate_is_rejected(tmp_path: Path) -> None:
+    init_certs(tmp_path, ("kv-store", "prefill", "decode", "gateway"))
+    n = await start(tmp_path)
+    try:
+        creds = grpc.ssl_channel_credentials((tmp_path / "ca.pem").read_bytes())
+        async with grpc.aio.secure_channel(f"127.0.0.1:{n.port}", creds) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await serving_pb2_grpc.PrefillStub(ch).Prefill(request(PROMPT), timeout=10)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        from pdx.serving.prefill import tls_for
+        from pdx.serving.rpc import channel
+
+        async with channel(f"127.0.0.1:{n.port}", tls_for(tmp_path, "gateway")) as ch:
+            reply = await serving_pb2_grpc.PrefillStub(ch).Prefill(request(PROMPT), timeout=30)
+        assert reply.kv_id
+    finally:
+        await n.stop(0.5)
