@@ -26,7 +26,9 @@ def console() -> Console:
     """Console for results (stdout)."""
     global _stdout
     if _stdout is None or _stdout.file is not sys.stdout:
-        _stdout = Console(file=sys.stdout, highlight=False, soft_wrap=False)
+        # Not a terminal (a pipe, a log, CI): wide enough that tables are not cut to 80 columns.
+        width = None if sys.stdout.isatty() else 160
+        _stdout = Console(file=sys.stdout, highlight=False, soft_wrap=False, width=width)
     return _stdout
 
 

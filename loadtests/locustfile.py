@@ -1,0 +1,177 @@
+"""Locust load for an OpenAI-compatible streaming endpoint (the pdx gateway, vLLM, SGLang, ...).
+
+Each streamed request is reported as separate Locust entries (request type ``LLM``):
+``ttft``, ``tpot``, ``itl`` (one entry per chunk gap) and ``e2e`` for successful requests, and
+``failed`` (with its cause) for failed ones, so failures never mix into latency statistics.
+Every request is also written exactly (no rounding) to ``<--pdx-records>/requests-<pid>.jsonl``.
+
+Closed loop (default): ``-u`` users each send the next request when the last one ends.
+Open loop: ``--pdx-mode open --pdx-rate R`` sends Poisson arrivals at R req/s in total (split
+over all users and workers); latencies count from the *intended* send time.
+
+    locust -f loadtests/locustfile.py --headless -u 8 -r 8 --run-time 60s \
+        --host http://127.0.0.1:8000 --csv out/step --pdx-input-len 512 --pdx-output-len 64
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+import gevent
+import requests
+from gevent.lock import BoundedSemaphore
+from gevent.pool import Group
+from llm_stream import (
+    LengthSpec,
+    PromptSource,
+    RequestRecord,
+    build_body,
+    load_lengths_file,
+    stream_completion,
+)
+from locust import User, constant, events, task
+from locust.runners import WorkerRunner
+
+_records_file: Any = None
+
+
+@events.init_command_line_parser.add_listener
+def _add_options(parser: Any) -> None:
+    parser.add_argument("--pdx-mode", choices=["closed", "open"], default="closed")
+    parser.add_argument("--pdx-rate", type=float, default=0.0, help="open loop: total req/s")
+    parser.add_argument("--pdx-max-inflight", type=int, default=64, help="open loop, per user")
+    parser.add_argument("--pdx-input-len", default="128", help="N or LOW:HIGH (tokens)")
+    parser.add_argument("--pdx-output-len", default="64", help="N or LOW:HIGH (tokens)")
+    parser.add_argument("--pdx-lengths-file", default="", help="JSONL or input,output lines")
+    parser.add_argument("--pdx-prompt-kind", choices=["ids", "text"], default="ids")
+    parser.add_argument("--pdx-token-id-max", type=int, default=250)
+    parser.add_argument("--pdx-model", default="")
+    parser.add_argument("--pdx-endpoint", default="/v1/completions")
+    parser.add_argument("--pdx-extra-body", default="{}", help="JSON merged into each body")
+    parser.add_argument("--pdx-timeout-s", type=float, default=120.0)
+    parser.add_argument("--pdx-seed", type=int, default=0)
+    parser.add_argument("--pdx-records", default="", help="directory for per-request JSONL")
+
+
+@events.init.add_listener
+def _on_init(environment: Any, **_kw: Any) -> None:
+    opts = environment.parsed_options
+    if opts is None:
+        return
+    if not isinstance(environment.runner, WorkerRunner):
+        # Custom options travel from the master to its workers; the user count does not.
+        opts.pdx_users_total = max(1, int(opts.num_users or 1))
+
+
+@events.test_stop.add_listener
+def _on_stop(**_kw: Any) -> None:
+    if _records_file is not None:
+        _records_file.flush()
+
+
+def _record(rec: RequestRecord, opts: Any) -> None:
+    global _records_file
+    if not opts.pdx_records:
+        return
+    if _records_file is None:
+        Path(opts.pdx_records).mkdir(parents=True, exist_ok=True)
+        path = Path(opts.pdx_records) / f"requests-{os.getpid()}.jsonl"
+        _records_file = path.open("a", buffering=1)
+    _records_file.write(rec.to_json() + "\n")
+
+
+def _fire(environment: Any, name: str, ms: float, length: int = 0, exc: Any = None) -> None:
+    environment.events.request.fire(
+        request_type="LLM",
+        name=name,
+        response_time=ms,
+        response_length=length,
+        exception=exc,
+        context={},
+    )
+
+
+def report(environment: Any, rec: RequestRecord) -> None:
+    """Turn one measured request into Locust entries and a JSONL record."""
+    if rec.ok and rec.ttft_ms is not None and rec.e2e_ms is not None:
+        _fire(environment, "ttft", rec.ttft_ms)
+        if rec.tpot_ms is not None:
+            _fire(environment, "tpot", rec.tpot_ms)
+        for gap in rec.itl_ms:
+            _fire(environment, "itl", gap)
+        _fire(environment, "e2e", rec.e2e_ms, rec.output_tokens or 0)
+    else:
+        ms = (rec.e2e_ms or 0.0) if rec.e2e_ms is not None else rec.queue_ms
+        _fire(environment, "failed", ms, 0, RuntimeError(rec.error or "failed"))
+    _record(rec, environment.parsed_options)
+
+
+class CompletionUser(User):
+    """One simulated client streaming completions (closed or open loop, see module doc)."""
+
+    wait_time = constant(0)
+
+    def __init__(self, environment: Any) -> None:
+        super().__init__(environment)
+        opts = environment.parsed_options
+        self.opts = opts
+        rows = load_lengths_file(opts.pdx_lengths_file) if opts.pdx_lengths_file else None
+        seed = opts.pdx_seed * 1_000_003 + os.getpid() * 1009 + id(self) % 997
+        self.prompts = PromptSource(
+            LengthSpec.parse(opts.pdx_input_len),
+            LengthSpec.parse(opts.pdx_output_len),
+            kind=opts.pdx_prompt_kind,
+            token_id_max=opts.pdx_token_id_max,
+            rows=rows,
+            seed=seed,
+        )
+        self.rng = random.Random(seed)
+        self.extra = json.loads(opts.pdx_extra_body or "{}")
+        self.url = (self.host or "").rstrip("/") + opts.pdx_endpoint
+        self.session = requests.Session()
+        self.pending = Group()
+        self.slots = BoundedSemaphore(max(1, opts.pdx_max_inflight))
+
+    def _one(self, t_intended: float, mode: str) -> None:
+        sample = self.prompts.next()
+        rec = RequestRecord(
+            t_intended_s=time.time() - (time.perf_counter() - t_intended),
+            mode=mode,
+            input_len=sample.input_len,
+            output_len_requested=sample.output_len,
+        )
+        body = build_body(sample, self.opts.pdx_model or None, self.extra)
+        stream_completion(self.session, self.url, body, rec, t_intended, self.opts.pdx_timeout_s)
+        report(self.environment, rec)
+
+    def _open_one(self, t_intended: float) -> None:
+        with self.slots:
+            self._one(t_intended, "open")
+
+    @task
+    def send(self) -> None:
+        """Closed loop: one request per iteration. Open loop: an endless Poisson arrival loop."""
+        if self.opts.pdx_mode == "closed":
+            self._one(time.perf_counter(), "closed")
+            return
+        users = max(1, int(getattr(self.opts, "pdx_users_total", 1)))
+        rate = self.opts.pdx_rate / users
+        if rate <= 0:
+            raise ValueError("--pdx-mode open needs --pdx-rate > 0")
+        t_next = time.perf_counter()
+        while True:
+            t_next += self.rng.expovariate(rate)
+            delay = t_next - time.perf_counter()
+            if delay > 0:
+                gevent.sleep(delay)
+            self.pending.spawn(self._open_one, t_next)
+
+    def on_stop(self) -> None:
+        """Stop arrivals still queued or in flight when the run ends."""
+        self.pending.kill(block=False)
+        self.session.close()

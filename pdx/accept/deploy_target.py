@@ -1,0 +1,91 @@
+"""Starting the pair under test with ``pdx deploy``, with a fault proxy on its KV link if asked."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pdx.accept.playbook import Target
+from pdx.accept.target import DeployProcess, wait_ready
+from pdx.errors import InputError, MeasurementError
+
+if TYPE_CHECKING:
+    from pdx.accept.run import AcceptRun
+
+
+@dataclass
+class StartedDeploy:
+    """A ready deploy: its process, gateway URL, the KV-link proxy (if any) and report info."""
+
+    process: DeployProcess
+    url: str
+    proxy: Any = None
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+def deploy_args(target: Target, playbook_dir: Path, port: int) -> list[str]:
+    """``pdx deploy`` arguments: config (unless the embedded default), port, overrides."""
+    args = ["--port", str(port)]
+    if target.deploy not in (None, "default"):
+        path = Path(str(target.deploy))
+        path = path if path.is_absolute() else playbook_dir / path
+        if not path.is_file():
+            raise InputError("target.deploy", str(path), "'default' or an existing deploy YAML")
+        args += ["--config", str(path)]
+    for item in target.deploy_set:
+        args += ["--set", item]
+    return args
+
+
+async def _endpoints(out_path: Path, proc: Any, timeout_s: float) -> dict[str, Any]:
+    """The endpoints JSON ``pdx deploy --json`` prints once every process is up."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        if proc.returncode is not None:
+            raise MeasurementError(
+                f"pdx deploy exited with code {proc.returncode} before ready; see {out_path.parent}"
+            )
+        try:
+            data: dict[str, Any] = json.loads(out_path.read_text())
+            return data
+        except (OSError, ValueError):
+            await asyncio.sleep(0.2)
+    raise MeasurementError(f"pdx deploy not ready after {timeout_s:g} s; see {out_path.parent}")
+
+
+async def start_deploy(run: AcceptRun, target: Target, *, needs_proxy: bool) -> StartedDeploy:
+    """Start ``pdx deploy`` (ephemeral gateway port), read its endpoints, wait for readiness.
+
+    With network conditions to apply, ``kv.via_proxy=true`` makes the deploy put a fault proxy
+    on every prefill's KV endpoint; pdx drives it through the proxy's control API.
+    """
+    from pdx.faults.client import ControlClient
+
+    args = [*deploy_args(target, run.playbook_dir, 0), "--json"]
+    if needs_proxy:
+        args += ["--set", "kv.via_proxy=true"]
+    out_path = run.raw_dir / "deploy-endpoints.json"
+    proc = DeployProcess(args, run.raw_dir / "deploy.log", stdout_path=out_path)
+    run.deploy = proc
+    popen = await proc.start()
+    endpoints = await _endpoints(out_path, popen, target.ready_timeout_s)
+    url = str(endpoints["gateway"]).rstrip("/")
+    waited = await wait_ready(url + target.ready_path, target.ready_timeout_s, popen)
+    proxies = endpoints.get("proxies") or []
+    if needs_proxy and not proxies:
+        raise MeasurementError("pdx deploy started no KV-link proxy (kv.via_proxy)")
+    client = ControlClient(proxies[0]["control"]) if proxies else None
+    info = {
+        "kind": "deploy",
+        "deploy": target.deploy,
+        "url": url,
+        "ready_after_s": round(waited, 2),
+        "deploy_args": args,
+        "model": endpoints.get("model", {}),
+        "kv_proxies": proxies,
+    }
+    return StartedDeploy(proc, url, client, info)

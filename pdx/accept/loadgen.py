@@ -1,0 +1,166 @@
+"""Locust as a subprocess: the command line for one step, running it, reading its CSV.
+
+Locust monkey-patches the interpreter (gevent), so pdx never imports it: each step runs
+``python -m locust -f loadtests/locustfile.py --headless ...`` and reads the files it writes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import csv
+import json
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from pdx.accept.playbook import Playbook, Step
+from pdx.errors import InputError
+
+
+def default_locustfile() -> Path:
+    """``loadtests/locustfile.py`` of the source tree pdx runs from."""
+    return Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
+
+
+def resolve_locustfile(pb: Playbook, playbook_dir: Path) -> Path:
+    """The locustfile a playbook asks for (relative to the playbook), or the default one."""
+    path = Path(pb.load.locustfile) if pb.load.locustfile else default_locustfile()
+    if pb.load.locustfile and not path.is_absolute():
+        path = playbook_dir / path
+    if not path.is_file():
+        raise InputError("load.locustfile", str(path), "an existing locustfile")
+    return path
+
+
+def free_port() -> int:
+    """An ephemeral loopback port chosen by the kernel (for tools that cannot report a 0-bind)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def step_args(pb: Playbook, step: Step, url: str, records_dir: Path) -> list[str]:
+    """The ``--pdx-*`` and load options one step needs (shared by master and workers)."""
+    users = step.concurrency if step.concurrency is not None else pb.load.open_loop_users
+    args = [
+        "--headless",
+        "-u",
+        str(users),
+        "-r",
+        str(users),
+        "--host",
+        url,
+        "--pdx-input-len",
+        str(step.input_tokens),
+        "--pdx-output-len",
+        str(step.output_tokens),
+        "--pdx-prompt-kind",
+        pb.load.prompt_kind,
+        "--pdx-token-id-max",
+        str(pb.load.token_id_max),
+        "--pdx-timeout-s",
+        f"{pb.load.timeout_s:g}",
+        "--pdx-seed",
+        str(pb.seed + step.index),
+        "--pdx-records",
+        str(records_dir),
+        "--pdx-extra-body",
+        json.dumps(pb.target.extra_body),
+        "--only-summary",
+        "--loglevel",
+        "WARNING",
+    ]
+    if pb.target.model:
+        args += ["--pdx-model", pb.target.model]
+    if step.rate_rps is not None:
+        args += ["--pdx-mode", "open", "--pdx-rate", f"{step.rate_rps:g}"]
+        args += ["--pdx-max-inflight", str(pb.load.max_inflight)]
+    return args
+
+
+class LocustRun:
+    """One step's Locust processes (one local process, or a master and N workers)."""
+
+    def __init__(self, locustfile: Path, log_path: Path) -> None:
+        self.locustfile = locustfile
+        self.log_path = log_path
+        self.procs: list[asyncio.subprocess.Process] = []
+
+    async def _spawn(self, args: list[str], log: Any) -> asyncio.subprocess.Process:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(self.locustfile),
+            *args,
+            stdout=log,
+            stderr=asyncio.subprocess.STDOUT,
+            stdin=asyncio.subprocess.DEVNULL,
+        )
+        self.procs.append(proc)
+        return proc
+
+    async def run(self, args: list[str], duration_s: float, csv_prefix: Path, workers: int) -> int:
+        """Run to completion (bounded: duration + 60 s); return Locust's exit code."""
+        run_args = [*args, "--run-time", f"{max(1, round(duration_s))}s", "--csv", str(csv_prefix)]
+        with self.log_path.open("ab") as log:
+            if workers <= 0:
+                main = await self._spawn(run_args, log)
+            else:
+                port = free_port()
+                main = await self._spawn(
+                    [
+                        *run_args,
+                        "--master",
+                        "--expect-workers",
+                        str(workers),
+                        "--master-bind-host",
+                        "127.0.0.1",
+                        "--master-bind-port",
+                        str(port),
+                    ],
+                    log,
+                )
+                for _ in range(workers):
+                    await self._spawn(
+                        [
+                            "--worker",
+                            "--master-host",
+                            "127.0.0.1",
+                            "--master-port",
+                            str(port),
+                            "--loglevel",
+                            "WARNING",
+                        ],
+                        log,
+                    )
+            try:
+                return await asyncio.wait_for(main.wait(), duration_s + 60)
+            finally:
+                await self.stop()
+
+    async def stop(self) -> None:
+        """Terminate whatever is still running (then kill after 5 s)."""
+        for proc in self.procs:
+            if proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.terminate()
+        for proc in self.procs:
+            try:
+                await asyncio.wait_for(proc.wait(), 5)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+
+
+def read_locust_stats(csv_prefix: Path) -> dict[str, dict[str, str]]:
+    """Locust's ``<prefix>_stats.csv`` by entry name (``ttft``, ``tpot``, ``itl``, ``e2e``...)."""
+    path = Path(f"{csv_prefix}_stats.csv")
+    if not path.is_file():
+        return {}
+    with path.open() as fh:
+        return {row["Name"]: row for row in csv.DictReader(fh)}

@@ -1,0 +1,267 @@
+"""Acceptance playbooks: target, load matrix, network conditions, criteria and validity rules.
+
+A playbook is validated once (pydantic, unknown keys refused); every problem is reported on its
+own line with its path (``matrix.concurrency[2]: must be > 0``). The matrix expands into steps:
+network condition (outer) × input length × output length × concurrency (or rate).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from pdx.config import build_config, read_yaml
+
+_Strict = ConfigDict(extra="forbid")
+
+PositiveInt = Annotated[int, Field(gt=0)]
+PositiveFloat = Annotated[float, Field(gt=0, allow_inf_nan=False)]
+
+
+class Target(BaseModel):
+    """What is loaded: an external OpenAI-compatible URL, or a deploy config pdx starts."""
+
+    model_config = _Strict
+    url: str | None = Field(default=None, description="base URL, e.g. http://127.0.0.1:8000")
+    deploy: str | None = Field(
+        None,
+        description="'default' (embedded pair) or a deploy YAML path, relative to the playbook",
+    )
+    deploy_set: list[str] = Field(default_factory=list, description="--set overrides for deploy")
+    metrics_path: str = "/metrics"
+    ready_path: str = "/readyz"
+    ready_timeout_s: PositiveFloat = 180.0
+    model: str = Field(
+        default="", description="'model' field sent with each request (empty = omitted)"
+    )
+    extra_body: dict[str, Any] = Field(default_factory=dict, description="merged into each body")
+
+    @model_validator(mode="after")
+    def _one_target(self) -> Target:
+        if (self.url is None) == (self.deploy is None):
+            raise ValueError("set exactly one of target.url or target.deploy")
+        if self.url is not None and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"target.url must start with http:// or https:// (got {self.url!r})")
+        return self
+
+
+class Matrix(BaseModel):
+    """The load matrix; each combination (× each network condition) is one step."""
+
+    model_config = _Strict
+    input_tokens: list[PositiveInt] = Field(min_length=1)
+    output_tokens: list[PositiveInt] = Field(min_length=1)
+    concurrency: list[PositiveInt] | None = Field(default=None, description="closed loop: users")
+    rate_rps: list[PositiveFloat] | None = Field(
+        default=None, description="open loop: Poisson req/s"
+    )
+    network: list[str] = Field(default_factory=lambda: ["normal"], min_length=1)
+    duration_s: PositiveFloat = 60.0
+
+    @model_validator(mode="after")
+    def _one_load_axis(self) -> Matrix:
+        if (self.concurrency is None) == (self.rate_rps is None):
+            raise ValueError("set exactly one of matrix.concurrency or matrix.rate_rps")
+        return self
+
+
+class Condition(BaseModel):
+    """A network condition on the KV link, applied through the fault proxy for one step.
+
+    ``loss`` on a TCP link is applied as stalls: with that probability per chunk the stream is
+    held for ``loss_stall_ms`` (what a retransmission costs); ``link_down_*`` cuts the link at
+    ``link_down_at_s`` into the step for ``link_down_for_s`` seconds.
+    """
+
+    model_config = _Strict
+    delay_ms: Annotated[float, Field(ge=0)] = 0.0
+    jitter_ms: Annotated[float, Field(ge=0)] = 0.0
+    loss: Annotated[float, Field(ge=0, le=1)] = 0.0
+    loss_stall_ms: Annotated[float, Field(ge=0)] = 200.0
+    bandwidth_mbps: PositiveFloat | None = None
+    link_down_at_s: Annotated[float, Field(ge=0)] | None = None
+    link_down_for_s: PositiveFloat | None = None
+    criteria: dict[str, float | None] = Field(
+        default_factory=dict,
+        description="criteria that differ under this condition (null = not judged here)",
+    )
+
+    @model_validator(mode="after")
+    def _link_down_pair(self) -> Condition:
+        if (self.link_down_at_s is None) != (self.link_down_for_s is None):
+            raise ValueError("link_down_at_s and link_down_for_s go together")
+        return self
+
+    @field_validator("criteria")
+    @classmethod
+    def _known_criteria(cls, value: dict[str, float | None]) -> dict[str, float | None]:
+        unknown = sorted(set(value) - set(Criteria.model_fields))
+        if unknown:
+            raise ValueError(f"unknown criteria {unknown}; known: {sorted(Criteria.model_fields)}")
+        return value
+
+    @property
+    def is_fault(self) -> bool:
+        """Whether this condition changes the link at all."""
+        return bool(
+            self.delay_ms
+            or self.jitter_ms
+            or self.loss
+            or self.bandwidth_mbps
+            or self.link_down_at_s is not None
+        )
+
+
+class Criteria(BaseModel):
+    """Acceptance thresholds; ``None`` = not judged. Rates are fractions (0.01 = 1 %)."""
+
+    model_config = _Strict
+    ttft_p50_ms: PositiveFloat | None = None
+    ttft_p99_ms: PositiveFloat | None = None
+    tpot_p99_ms: PositiveFloat | None = None
+    transfer_p50_ms: PositiveFloat | None = None
+    transfer_p99_ms: PositiveFloat | None = None
+    transfer_success_min: Annotated[float, Field(ge=0, le=1)] | None = 0.999
+    retry_rate_max: Annotated[float, Field(ge=0)] | None = 0.01
+    degrade_rate_max: Annotated[float, Field(ge=0)] | None = 0.01
+    error_rate_max: Annotated[float, Field(ge=0, le=1)] | None = 0.0
+    eviction_rate_max: Annotated[float, Field(ge=0)] | None = None
+
+
+class Validity(BaseModel):
+    """When a step's numbers may be judged at all (MLPerf-style VALID / INVALID first)."""
+
+    model_config = _Strict
+    min_requests: PositiveInt = 20
+    min_duration_s: PositiveFloat = 10.0
+    min_load_fraction: Annotated[float, Field(gt=0, le=1)] = Field(
+        default=0.9, description="achieved / target load (users busy, or req/s) at least this"
+    )
+
+
+class Load(BaseModel):
+    """How Locust generates the load (it always runs as a separate process)."""
+
+    model_config = _Strict
+    locustfile: str | None = Field(default=None, description="default: loadtests/locustfile.py")
+    workers: Annotated[int, Field(ge=0, le=32)] = Field(
+        default=0, description="Locust worker processes (0 = one local process)"
+    )
+    open_loop_users: PositiveInt = Field(default=4, description="open loop: users sharing the rate")
+    max_inflight: PositiveInt = Field(default=64, description="open loop: in-flight cap per user")
+    prompt_kind: Literal["ids", "text"] = "ids"
+    token_id_max: PositiveInt = Field(
+        default=250, description="prompt token ids drawn from 1..this"
+    )
+    timeout_s: PositiveFloat = 120.0
+    warmup_requests: Annotated[int, Field(ge=0, le=100)] = Field(
+        default=3, description="unmeasured requests sent before the first step"
+    )
+
+
+class Preflight(BaseModel):
+    """Optional measurements taken before the load, included in the report."""
+
+    model_config = _Strict
+    measure_kv: bool = Field(default=False, description="run `pdx measure-kv` (analytic) first")
+    model_preset: str | None = Field(
+        default=None, description="measure-kv preset; default: the deployed model's name"
+    )
+    link_gbps: PositiveFloat = Field(default=100.0, description="link speed for the KV budget")
+
+
+class Playbook(BaseModel):
+    """One acceptance run."""
+
+    model_config = _Strict
+    name: Annotated[str, Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    description: str = ""
+    target: Target
+    matrix: Matrix
+    conditions: dict[str, Condition] = Field(default_factory=lambda: {"normal": Condition()})
+    criteria: Criteria = Field(default_factory=Criteria)
+    validity: Validity = Field(default_factory=lambda: Validity())
+    load: Load = Field(default_factory=lambda: Load())
+    preflight: Preflight = Field(default_factory=Preflight)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _conditions_exist(self) -> Playbook:
+        missing = [n for n in self.matrix.network if n not in self.conditions]
+        if missing:
+            raise ValueError(
+                f"matrix.network names {missing} not defined under conditions "
+                f"(defined: {sorted(self.conditions)})"
+            )
+        if any(self.conditions[n].is_fault for n in self.matrix.network) and self.target.url:
+            raise ValueError("network faults need target.deploy (pdx must own the KV link)")
+        for name in self.matrix.network:
+            c = self.conditions[name]
+            if c.link_down_at_s is not None and c.link_down_at_s >= self.matrix.duration_s:
+                raise ValueError(
+                    f"conditions.{name}.link_down_at_s must be < matrix.duration_s "
+                    f"({c.link_down_at_s} >= {self.matrix.duration_s})"
+                )
+        return self
+
+
+@dataclass(frozen=True)
+class Step:
+    """One cell of the matrix under one network condition."""
+
+    index: int
+    input_tokens: int
+    output_tokens: int
+    concurrency: int | None
+    rate_rps: float | None
+    network: str
+    duration_s: float
+
+    @property
+    def id(self) -> str:
+        """A stable, file-name-safe identifier such as ``s02-in32-out16-c4-link-break``."""
+        load = f"c{self.concurrency}" if self.concurrency is not None else f"r{self.rate_rps:g}"
+        return (
+            f"s{self.index:02d}-in{self.input_tokens}-out{self.output_tokens}-{load}-{self.network}"
+        )
+
+    @property
+    def target_load(self) -> float:
+        """Users (closed loop) or requests/s (open loop) the step asks for."""
+        return float(self.concurrency if self.concurrency is not None else self.rate_rps or 0.0)
+
+
+def expand_steps(pb: Playbook) -> list[Step]:
+    """The matrix as an ordered list of steps (network outermost, then in, out, load)."""
+    m = pb.matrix
+    loads: list[tuple[int | None, float | None]] = (
+        [(c, None) for c in m.concurrency]
+        if m.concurrency
+        else [(None, r) for r in m.rate_rps or []]
+    )
+    combos = itertools.product(m.network, m.input_tokens, m.output_tokens, loads)
+    return [
+        Step(i, inp, out, conc, rate, net, m.duration_s)
+        for i, (net, inp, out, (conc, rate)) in enumerate(combos)
+    ]
+
+
+def step_criteria(pb: Playbook, step: Step) -> Criteria:
+    """The global criteria with this step's condition overrides applied."""
+    overrides = pb.conditions[step.network].criteria
+    return pb.criteria.model_copy(update=overrides) if overrides else pb.criteria
+
+
+def load_playbook(path: Path | str, *, dotted: list[str] | None = None) -> Playbook:
+    """Read, override (``--set a.b=v``) and validate a playbook; one line per problem on error."""
+    data = read_yaml(path)
+    return build_config(Playbook, source=str(path), base=data, dotted=dotted)
+
+
+def playbook_dict(pb: Playbook) -> dict[str, Any]:
+    """The validated playbook as plain data (for the report)."""
+    return pb.model_dump(mode="json")

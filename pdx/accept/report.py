@@ -1,0 +1,386 @@
+"""The acceptance report: one pydantic model, written as report.json, report.md and report.html.
+
+``report.json`` follows ``report.schema.json`` (generated from :class:`Report`, shipped next to
+this module). The verdict comes first everywhere; every metric shown has its formula stated.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from pdx.accept.criteria import CriterionResult, ValidityResult
+from pdx.errors import InputError
+
+SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
+SCHEMA_VERSION = 1
+
+
+class StepReport(BaseModel):
+    """Everything measured in one step."""
+
+    model_config = ConfigDict(extra="forbid")
+    id: str
+    index: int
+    network: str
+    condition: dict[str, Any]
+    input_tokens: int
+    output_tokens: int
+    concurrency: int | None
+    rate_rps: float | None
+    duration_s: float = Field(description="asked for")
+    elapsed_s: float = Field(description="first intended send to last stream end")
+    valid: bool
+    validity_problems: list[str]
+    summary: dict[str, Any]
+    metrics_delta: dict[str, float] = Field(description="target /metrics after − before (pdx_*)")
+    proxy: dict[str, Any] | None = Field(None, description="fault proxy counters for this step")
+    fault_events: list[dict[str, Any]] = Field(default_factory=list)
+    timeline: list[dict[str, Any]] = Field(default_factory=list)
+    recovery_s: float | None = None
+    resources: list[dict[str, Any]] = Field(default_factory=list)
+    raw: dict[str, str] = Field(default_factory=dict, description="raw files, relative paths")
+
+
+class Report(BaseModel):
+    """A signed-off (or refused) acceptance run."""
+
+    model_config = ConfigDict(extra="forbid")
+    schema_version: Literal[1] = 1
+    name: str
+    verdict: Literal["GO", "NO-GO"]
+    valid: bool
+    complete: bool
+    exit_code: int
+    started_at: str
+    finished_at: str
+    target: dict[str, Any]
+    criteria: list[CriterionResult]
+    validity: list[ValidityResult]
+    recommendations: list[str]
+    steps: list[StepReport]
+    formulas: dict[str, str]
+    preflight: dict[str, Any] | None = None
+    playbook: dict[str, Any]
+    environment: dict[str, Any]
+    plots: list[str] = Field(default_factory=list, description="PNG files next to the report")
+    problems: list[str] = Field(default_factory=list, description="why the run is incomplete")
+
+
+def report_schema() -> dict[str, Any]:
+    """JSON Schema of report.json."""
+    schema = Report.model_json_schema()
+    schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    schema["$id"] = "https://pdx.dev/schemas/accept-report-v1.json"
+    return schema
+
+
+def write_schema(path: Path = SCHEMA_PATH) -> Path:
+    """Regenerate the shipped schema file."""
+    path.write_text(json.dumps(report_schema(), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def load_report(directory: Path | str) -> Report:
+    """Read ``DIR/report.json`` (or a report.json path) and validate it."""
+    p = Path(directory)
+    p = p / "report.json" if p.is_dir() else p
+    if not p.is_file():
+        raise InputError("report", str(directory), "a report directory containing report.json")
+    try:
+        return Report.model_validate_json(p.read_text())
+    except ValueError as exc:
+        raise InputError("report", str(p), f"a valid pdx report.json ({exc})") from None
+
+
+def target_line(report: Report) -> str:
+    """What was loaded, in one line (everything else is in report.json ``target``)."""
+    t = report.target
+    model = (t.get("model") or {}).get("model")
+    parts = [str(t.get("kind", "?")), str(t.get("url", ""))]
+    if t.get("deploy"):
+        parts.append(f"deploy={t['deploy']}")
+    if model:
+        synthetic = " (synthetic)" if (t.get("model") or {}).get("synthetic") else ""
+        parts.append(f"model={model}{synthetic}")
+    return " ".join(p for p in parts if p)
+
+
+def _fmt(value: float | None, unit: str = "") -> str:
+    if value is None:
+        return "—"
+    if unit == "fraction":
+        return f"{value * 100:.3g} %"
+    return f"{value:.4g}{(' ' + unit) if unit else ''}"
+
+
+def criteria_rows(report: Report) -> list[list[str]]:
+    """Criterion table rows: name, step, measured, threshold, margin, result."""
+    return [
+        [
+            c.name,
+            c.step,
+            _fmt(c.measured, c.unit),
+            _fmt(c.threshold, c.unit),
+            _fmt(c.margin, c.unit),
+            ("pass" if c.passed else "FAIL") + (f" ({c.note})" if c.note else ""),
+        ]
+        for c in report.criteria
+    ]
+
+
+def step_rows(report: Report) -> list[list[str]]:
+    """Step table rows with the headline numbers."""
+    rows = []
+    for s in report.steps:
+        sm = s.summary
+        load = f"c={s.concurrency}" if s.concurrency is not None else f"{s.rate_rps:g} rps"
+        rows.append(
+            [
+                s.id,
+                s.network,
+                f"{s.input_tokens}/{s.output_tokens}",
+                load,
+                "valid" if s.valid else "INVALID",
+                str(sm.get("requests", 0)),
+                _fmt((sm.get("ttft_ms") or {}).get("p50"), "ms"),
+                _fmt((sm.get("ttft_ms") or {}).get("p99"), "ms"),
+                _fmt((sm.get("tpot_ms") or {}).get("p99"), "ms"),
+                _fmt((sm.get("transfer_ms") or {}).get("p99"), "ms"),
+                _fmt(sm.get("error_rate"), "fraction"),
+                str(sm.get("degraded", 0)),
+                str(sm.get("retries", 0)),
+                _fmt(sm.get("achieved_rps")),
+            ]
+        )
+    return rows
+
+
+STEP_HEADERS = [
+    "step",
+    "network",
+    "in/out tok",
+    "load",
+    "validity",
+    "requests",
+    "TTFT p50",
+    "TTFT p99",
+    "TPOT p99",
+    "transfer p99",
+    "errors",
+    "degraded",
+    "retries",
+    "req/s",
+]
+CRITERIA_HEADERS = ["criterion", "step", "measured", "threshold", "margin", "result"]
+
+
+def _md_table(headers: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
+    return "\n".join(out)
+
+
+def _headline(report: Report) -> str:
+    state = "" if report.complete else " (INCOMPLETE: interrupted or failed before the end)"
+    failed = sum(1 for c in report.criteria if not c.passed)
+    return (
+        f"{report.verdict}{state} — run {'VALID' if report.valid else 'INVALID'}; "
+        f"{len(report.criteria) - failed}/{len(report.criteria)} criteria met"
+    )
+
+
+def _gateway_counts(mdelta: dict[str, float]) -> str:
+    """Degradations, retries and transfer outcomes from the target's own counters."""
+    parts = []
+    for prefix, label in (
+        ("pdx_gateway_degradations_total", "degradations"),
+        ("pdx_gateway_kv_retries_total", "KV retries"),
+        ("pdx_gateway_kv_transfers_total", "transfers"),
+        ("pdx_gateway_rejections_total", "rejections"),
+    ):
+        hits = {k: v for k, v in mdelta.items() if k.startswith(prefix) and v}
+        if hits:
+            parts.append(
+                f"{label} "
+                + ", ".join(f"{k[len(prefix) :] or 'total'}={v:g}" for k, v in hits.items())
+            )
+    return "; ".join(parts)
+
+
+def _fault_lines(report: Report) -> list[str]:
+    lines = []
+    for s in report.steps:
+        if not s.proxy and not s.fault_events:
+            continue
+        p = s.proxy or {}
+        lines.append(
+            f"- **{s.id}** ({s.network}): proxy forwarded {p.get('bytes_total', 0)} B over "
+            f"{p.get('connections', 0)} connection(s); toxics acted on {p.get('toxic_bytes', 0)} B "
+            f"in {p.get('toxic_events', 0)} chunk(s); "
+            f"link-down events {p.get('link_down_events', 0)}, "
+            f"connections refused {p.get('connections_refused', 0)}; "
+            f"service: {s.summary.get('retries', 0)} retries, "
+            f"{s.summary.get('degraded', 0)} degraded "
+            f"({s.summary.get('degrade_reasons') or {}}), "
+            f"{s.summary.get('failed', 0)} failed; recovery "
+            + (f"{s.recovery_s:.1f} s" if s.recovery_s is not None else "not measured")
+        )
+        gw = _gateway_counts(s.metrics_delta)
+        if gw:
+            lines.append(f"  - gateway /metrics during the step: {gw}")
+        for ev in s.fault_events:
+            lines.append(f"  - t={ev.get('t_s', 0):.2f} s: {ev.get('event')}")
+    return lines
+
+
+def render_markdown(report: Report) -> str:
+    """report.md: verdict, criteria, validity, steps, faults, plots, formulas."""
+    parts = [
+        f"# Acceptance report: {report.name}",
+        f"**Verdict: {_headline(report)}**",
+        f"Started {report.started_at}, finished {report.finished_at}. Target: "
+        f"`{target_line(report)}`.",
+    ]
+    if report.problems:
+        parts.append("Problems:\n" + "\n".join(f"- {p}" for p in report.problems))
+    if report.recommendations:
+        parts.append("## What to change\n" + "\n".join(f"- {r}" for r in report.recommendations))
+    parts.append("## Criteria\n" + _md_table(CRITERIA_HEADERS, criteria_rows(report)))
+    invalid = [v for v in report.validity if not v.valid]
+    parts.append(
+        "## Validity\n"
+        + (
+            "\n".join(f"- {v.step}: {'; '.join(v.problems)}" for v in invalid)
+            or "Every step ran long enough, with enough requests, at the load asked for."
+        )
+    )
+    parts.append("## Steps\n" + _md_table(STEP_HEADERS, step_rows(report)))
+    faults = _fault_lines(report)
+    if faults:
+        parts.append("## Faults and how the service reacted\n" + "\n".join(faults))
+    if report.preflight:
+        parts.append("## Pre-flight\n```json\n" + json.dumps(report.preflight, indent=2) + "\n```")
+    if report.plots:
+        parts.append("## Plots\n" + "\n".join(f"![{p}]({p})" for p in report.plots))
+    parts.append("## Formulas\n" + "\n".join(f"- `{k}` = {v}" for k, v in report.formulas.items()))
+    return "\n\n".join(parts) + "\n"
+
+
+def _css_class(cell: str) -> str:
+    return "fail" if cell.startswith(("FAIL", "INVALID")) else ""
+
+
+def _html_table(headers: list[str], rows: list[list[str]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join(
+        "<tr>"
+        + "".join(f'<td class="{_css_class(c)}">{html.escape(c)}</td>' for c in row)
+        + "</tr>"
+        for row in rows
+    )
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+_CSS = """
+body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1200px}
+.verdict{font-size:2em;font-weight:bold;padding:.4em .6em;border-radius:6px;display:inline-block}
+.GO{background:#d8f5d0;color:#185c0f}.NO-GO{background:#fbd5d5;color:#8a1010}
+table{border-collapse:collapse;margin:1em 0;font-size:.9em}
+td,th{border:1px solid #bbb;padding:.25em .5em;text-align:left}th{background:#eee}
+td.fail{color:#8a1010;font-weight:bold}img{max-width:100%;border:1px solid #ddd;margin:.5em 0}
+code{background:#f3f3f3;padding:0 .2em}
+"""
+
+
+def render_html(report: Report, images: dict[str, str]) -> str:
+    """report.html: self-contained (CSS inline, plots as base64 PNG data URIs)."""
+    esc = html.escape
+    parts = [
+        f"<h1>Acceptance report: {esc(report.name)}</h1>",
+        f'<div id="verdict" class="verdict {esc(report.verdict)}">'
+        f"Verdict: {esc(_headline(report))}</div>",
+        f"<p>Started {esc(report.started_at)}, finished {esc(report.finished_at)}. Target: "
+        f"<code>{esc(target_line(report))}</code></p>",
+    ]
+    if report.problems:
+        parts.append("<ul>" + "".join(f"<li>{esc(p)}</li>" for p in report.problems) + "</ul>")
+    if report.recommendations:
+        items = "".join(f"<li>{esc(r)}</li>" for r in report.recommendations)
+        parts.append(f"<h2>What to change</h2><ul>{items}</ul>")
+    parts.append("<h2>Criteria</h2>" + _html_table(CRITERIA_HEADERS, criteria_rows(report)))
+    invalid = [v for v in report.validity if not v.valid]
+    items = "".join(f"<li>{esc(v.step)}: {esc('; '.join(v.problems))}</li>" for v in invalid)
+    parts.append(
+        "<h2>Validity</h2>" + (f"<ul>{items}</ul>" if items else "<p>All steps valid.</p>")
+    )
+    parts.append("<h2>Steps</h2>" + _html_table(STEP_HEADERS, step_rows(report)))
+    faults = _fault_lines(report)
+    if faults:
+        items = "".join(f"<li>{esc(f.lstrip('- ').replace('**', ''))}</li>" for f in faults)
+        parts.append(f"<h2>Faults and how the service reacted</h2><ul>{items}</ul>")
+    for name in report.plots:
+        if name in images:
+            parts.append(f'<h3>{esc(name)}</h3><img alt="{esc(name)}" src="{images[name]}">')
+    items = "".join(
+        f"<li><code>{esc(k)}</code> = {esc(v)}</li>" for k, v in report.formulas.items()
+    )
+    parts.append(f"<h2>Formulas</h2><ul>{items}</ul>")
+    return (
+        '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+        f"<title>pdx accept: {esc(report.name)} {esc(report.verdict)}</title>"
+        f"<style>{_CSS}</style></head><body>{''.join(parts)}</body></html>\n"
+    )
+
+
+def write_report(report: Report, directory: Path, images: dict[str, str]) -> Path:
+    """Write report.json, report.md and report.html into ``directory``."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "report.json").write_text(report.model_dump_json(indent=2) + "\n")
+    (directory / "report.md").write_text(render_markdown(report))
+    (directory / "report.html").write_text(render_html(report, images))
+    return directory
+
+
+def diff_reports(a: Report, b: Report) -> list[dict[str, Any]]:
+    """Per (criterion, step): measured and pass/fail in A and in B, and the change."""
+    key = lambda c: (c.name, c.step)  # noqa: E731
+    left = {key(c): c for c in a.criteria}
+    right = {key(c): c for c in b.criteria}
+    rows = []
+    for k in sorted(set(left) | set(right)):
+        ca, cb = left.get(k), right.get(k)
+        change = None
+        if ca and cb and ca.measured is not None and cb.measured is not None:
+            change = cb.measured - ca.measured
+        status = (
+            "only in A"
+            if cb is None
+            else "only in B"
+            if ca is None
+            else "now fails"
+            if ca.passed and not cb.passed
+            else "now passes"
+            if cb.passed and not ca.passed
+            else "same"
+        )
+        rows.append(
+            {
+                "criterion": k[0],
+                "step": k[1],
+                "a_measured": ca.measured if ca else None,
+                "b_measured": cb.measured if cb else None,
+                "a_threshold": ca.threshold if ca else None,
+                "b_threshold": cb.threshold if cb else None,
+                "change": change,
+                "a_passed": ca.passed if ca else None,
+                "b_passed": cb.passed if cb else None,
+                "status": status,
+                "unit": ca.unit if ca else cb.unit if cb else "",
+            }
+        )
+    return rows

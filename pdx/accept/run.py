@@ -1,0 +1,325 @@
+"""``pdx accept``: deploy or target, apply network conditions, load each step, judge, report.
+
+:class:`AcceptRun` owns everything it starts (deploy process, fault proxy, Locust processes)
+and stops all of it on any exit, including Ctrl-C, after writing a report marked incomplete.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import os
+import platform
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pdx import __version__
+from pdx.accept import criteria as judge
+from pdx.accept.link import ProxyLink, counters_delta
+from pdx.accept.loadgen import LocustRun, read_locust_stats, resolve_locustfile, step_args
+from pdx.accept.metrics import Snapshot, delta, scrape
+from pdx.accept.playbook import Playbook, Step, expand_steps, playbook_dict, step_criteria
+from pdx.accept.report import Report, StepReport, write_report
+from pdx.accept.resources import TreeSampler
+from pdx.accept.stats import FORMULAS, derive_rates, read_records, recovery_s, summarize, timeline
+from pdx.accept.target import DeployProcess, check_reachable
+from pdx.errors import MeasurementError, PdxError
+
+ProgressFn = Callable[[int, Step, float], None]
+"""Called about once a second: (step number, step, seconds into the step)."""
+
+
+@dataclass
+class StepOutcome:
+    """A finished step: its report part, raw records and judgement."""
+
+    step: Step
+    report: StepReport
+    records: list[dict[str, Any]]
+    criteria: list[judge.CriterionResult]
+    validity: judge.ValidityResult
+
+
+def _now() -> str:
+    return dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
+
+
+def report_dir_for(out_root: Path, name: str) -> Path:
+    """``reports/<UTC time>-<name>/`` (a suffix is added if that directory exists)."""
+    stamp = dt.datetime.now(dt.UTC).strftime("%Y%m%dT%H%M%SZ")
+    base = out_root / f"{stamp}-{name}"
+    path, n = base, 1
+    while path.exists():
+        n += 1
+        path = Path(f"{base}-{n}")
+    return path
+
+
+class AcceptRun:
+    """One execution of a playbook. ``report`` / ``report_dir`` are set even when interrupted."""
+
+    def __init__(
+        self, pb: Playbook, playbook_path: Path, out_root: Path, progress: ProgressFn | None = None
+    ) -> None:
+        self.pb = pb
+        self.playbook_dir = playbook_path.resolve().parent
+        self.steps = expand_steps(pb)
+        self.report_dir = report_dir_for(out_root, pb.name)
+        self.raw_dir = self.report_dir / "raw"
+        self.progress = progress
+        self.report: Report | None = None
+        self.started_at = _now()
+        self.outcomes: list[StepOutcome] = []
+        self.problems: list[str] = []
+        self.url = ""
+        self.deploy: DeployProcess | None = None
+        self.link: ProxyLink | None = None
+        self.locust: LocustRun | None = None
+        self.sampler: TreeSampler | None = None
+        self.target_info: dict[str, Any] = {}
+        self.preflight: dict[str, Any] | None = None
+
+    @property
+    def total_s(self) -> float:
+        """Planned load time over all steps."""
+        return sum(s.duration_s for s in self.steps)
+
+    async def execute(self) -> Report:
+        """Run every step; always stop what was started and write the report (partial if cut)."""
+        self.raw_dir.mkdir(parents=True, exist_ok=True)
+        locustfile = resolve_locustfile(self.pb, self.playbook_dir)
+        complete = False
+        try:
+            await self._start_target()
+            if self.pb.preflight.measure_kv:
+                from pdx.accept.preflight import measure_kv
+
+                model = (self.target_info.get("model") or {}).get("model")
+                qps = max((s.rate_rps or 0.0) for s in self.steps) or 1.0
+                self.preflight = {"measure_kv": await measure_kv(self.pb, model, qps)}
+            if self.pb.load.warmup_requests and self.steps:
+                from pdx.accept.warmup import warm_up
+
+                self.target_info["warmup"] = await warm_up(
+                    self.pb, self.url, self.steps[0], self.pb.load.warmup_requests
+                )
+            for step in self.steps:
+                self.outcomes.append(await self._run_step(step, locustfile))
+            complete = True
+        except asyncio.CancelledError:
+            self.problems.append("interrupted (Ctrl-C) before every step ran")
+            raise
+        except PdxError as exc:
+            self.problems.append(f"could not run: {exc}")
+            raise
+        finally:
+            await self._stop_all()
+            self.report = self._write(complete)
+        return self.report
+
+    # --- target ------------------------------------------------------------------------------
+
+    async def _start_target(self) -> None:
+        t = self.pb.target
+        if t.url is not None:
+            self.url = t.url.rstrip("/")
+            self.target_info = {"kind": "url", "url": self.url}
+            await check_reachable(self.url + t.ready_path, min(t.ready_timeout_s, 10.0))
+            return
+        from pdx.accept.deploy_target import start_deploy
+
+        started = await start_deploy(self, t, needs_proxy=self._needs_proxy())
+        self.deploy, self.url = started.process, started.url
+        self.link = ProxyLink(started.proxy) if started.proxy is not None else None
+        self.sampler = TreeSampler(self.deploy.pid) if self.deploy.pid else None
+        self.target_info = started.info
+
+    def _needs_proxy(self) -> bool:
+        return any(self.pb.conditions[s.network].is_fault for s in self.steps)
+
+    async def _stop_all(self) -> None:
+        if self.locust is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.locust.stop())
+        if self.link is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.link.clear())
+        if self.deploy is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.deploy.stop())
+
+    # --- one step ----------------------------------------------------------------------------
+
+    async def _run_step(self, step: Step, locustfile: Path) -> StepOutcome:
+        step_dir = self.raw_dir / step.id
+        step_dir.mkdir(parents=True, exist_ok=True)
+        cond = self.pb.conditions[step.network]
+        metrics_url = self.url + self.pb.target.metrics_path
+        before = await scrape(metrics_url)
+        proxy_before = await self.link.stats() if self.link else None
+        t0 = time.time()
+        if self.link is not None:
+            await self.link.apply(cond, t0)
+        self.locust = LocustRun(locustfile, step_dir / "locust.log")
+        args = step_args(self.pb, step, self.url, step_dir)
+        run = asyncio.create_task(
+            self.locust.run(args, step.duration_s, step_dir / "locust", self.pb.load.workers)
+        )
+        resources = await self._watch(step, run, t0)
+        rc = await run
+        if rc not in (0, 1):  # 1 = Locust saw failed requests; anything else: it did not run
+            tail = (step_dir / "locust.log").read_text(errors="replace").strip()[-400:]
+            raise MeasurementError(f"Locust exited with code {rc} in {step.id}: {tail}")
+        if self.link is not None:
+            await self.link.clear()
+        after = await scrape(metrics_url)
+        proxy_after = await self.link.stats() if self.link else None
+        return self._finish_step(
+            step, step_dir, t0, rc, (before, after), (proxy_before, proxy_after), resources
+        )
+
+    async def _watch(self, step: Step, run: asyncio.Task[int], t0: float) -> list[dict[str, Any]]:
+        samples: list[dict[str, Any]] = []
+        last_bytes = (await self.link.stats())["bytes_total"] if self.link else 0
+        last_t = time.time()
+        while not run.done():
+            await asyncio.wait({run}, timeout=1.0)
+            now = time.time()
+            sample: dict[str, Any] = {"t_s": round(now - t0, 3)}
+            if self.sampler is not None:
+                sample.update(self.sampler.sample())
+            if self.link is not None:
+                total = (await self.link.stats())["bytes_total"]
+                sample["link_bytes_per_s"] = (total - last_bytes) / max(now - last_t, 1e-6)
+                last_bytes = total
+            last_t = now
+            if len(sample) > 1:
+                samples.append(sample)
+            if self.progress is not None:
+                self.progress(step.index, step, min(now - t0, step.duration_s))
+        return samples
+
+    def _finish_step(
+        self,
+        step: Step,
+        step_dir: Path,
+        t0: float,
+        locust_rc: int,
+        scrapes: tuple[Snapshot, Snapshot],
+        proxy_counts: tuple[dict[str, Any] | None, dict[str, Any] | None],
+        resources: list[dict[str, Any]],
+    ) -> StepOutcome:
+        before, after = scrapes
+        rows = read_records(step_dir)
+        elapsed = _span_s(rows)
+        summary = summarize(rows, elapsed)
+        mdelta = delta(before, after) if before.error is None and after.error is None else {}
+        derive_rates(summary, mdelta)
+        summary["locust_exit_code"] = locust_rc
+        summary["locust_csv"] = read_locust_stats(step_dir / "locust")
+        summary["metrics_errors"] = [e for e in (before.error, after.error) if e]
+        cond = self.pb.conditions[step.network]
+        validity = judge.check_validity(step, summary, elapsed, self.pb.validity)
+        results = judge.judge_step(step, summary, step_criteria(self.pb, step))
+        bins = timeline(rows, t0)
+        rec_s = None
+        if cond.link_down_at_s is not None and cond.link_down_for_s is not None:
+            rec_s = recovery_s(bins, cond.link_down_at_s, cond.link_down_for_s)
+        proxy = None
+        if proxy_counts[0] is not None and proxy_counts[1] is not None:
+            proxy = counters_delta(proxy_counts[0], proxy_counts[1])
+        report = StepReport(
+            id=step.id,
+            index=step.index,
+            network=step.network,
+            condition=cond.model_dump(mode="json"),
+            input_tokens=step.input_tokens,
+            output_tokens=step.output_tokens,
+            concurrency=step.concurrency,
+            rate_rps=step.rate_rps,
+            duration_s=step.duration_s,
+            elapsed_s=elapsed,
+            valid=validity.valid,
+            validity_problems=validity.problems,
+            summary=summary,
+            metrics_delta=mdelta,
+            proxy=proxy if cond.is_fault else None,
+            fault_events=list(self.link.events) if self.link and cond.is_fault else [],
+            timeline=bins,
+            recovery_s=rec_s,
+            resources=resources,
+            raw={"records": f"raw/{step.id}/", "locust_csv": f"raw/{step.id}/locust_stats.csv"},
+        )
+        return StepOutcome(step, report, rows, results, validity)
+
+    # --- report ------------------------------------------------------------------------------
+
+    def _write(self, complete: bool) -> Report:
+        from pdx.accept.plots import make_plots
+
+        criteria = [c for o in self.outcomes for c in o.criteria]
+        validity = [o.validity for o in self.outcomes]
+        valid = complete and bool(validity) and all(v.valid for v in validity)
+        passed = all(c.passed for c in criteria)
+        verdict: Literal["GO", "NO-GO"] = "GO" if valid and passed else "NO-GO"
+        failed = [c for c in criteria if not c.passed]
+        step_data = [
+            (o.step, {**o.report.summary, "elapsed_s": o.report.elapsed_s}) for o in self.outcomes
+        ]
+        recs = judge.recommendations(
+            failed, [v for v in validity if not v.valid], step_data, self.pb.preflight.link_gbps
+        )
+        if not complete:
+            recs.insert(0, "the run did not finish: rerun it to completion before signing off")
+        steps = [o.report for o in self.outcomes]
+        images: dict[str, str] = {}
+        try:
+            images = make_plots(
+                steps, {o.report.id: o.records for o in self.outcomes}, self.report_dir
+            )
+        except Exception as exc:  # a plot must never cost the reviewer the report itself
+            self.problems.append(f"plots failed: {type(exc).__name__}: {exc}")
+        report = Report(
+            name=self.pb.name,
+            verdict=verdict,
+            valid=valid,
+            complete=complete,
+            exit_code=0 if verdict == "GO" else 1,
+            started_at=self.started_at,
+            finished_at=_now(),
+            target=self.target_info,
+            criteria=criteria,
+            validity=validity,
+            recommendations=recs,
+            steps=steps,
+            formulas=FORMULAS,
+            preflight=self.preflight,
+            playbook=playbook_dict(self.pb),
+            environment=_environment(),
+            plots=sorted(images),
+            problems=self.problems,
+        )
+        write_report(report, self.report_dir, images)
+        return report
+
+
+def _span_s(rows: list[dict[str, Any]]) -> float:
+    """First intended send to last stream end, in seconds."""
+    if not rows:
+        return 0.0
+    start = min(r["t_intended_s"] for r in rows)
+    end = max(r["t_intended_s"] + (r.get("e2e_ms") or r.get("queue_ms") or 0.0) / 1e3 for r in rows)
+    return max(0.0, end - start)
+
+
+def _environment() -> dict[str, Any]:
+    return {
+        "pdx_version": __version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpus": os.cpu_count(),
+    }

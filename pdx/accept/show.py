@@ -1,0 +1,107 @@
+"""Terminal rendering of reports and report diffs (rich tables)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from pdx.accept.report import (
+    CRITERIA_HEADERS,
+    Report,
+    _headline,
+    criteria_rows,
+)
+
+
+def _table(title: str, headers: list[str], rows: list[list[str]]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for h in headers:
+        t.add_column(h)
+    for row in rows:
+        t.add_row(*[f"[bold red]{c}[/]" if c.startswith(("FAIL", "INVALID")) else c for c in row])
+    return t
+
+
+_COMPACT = [
+    "step",
+    "validity",
+    "reqs",
+    "TTFT p50",
+    "TTFT p99",
+    "TPOT p99",
+    "xfer p99",
+    "errors",
+    "degraded",
+    "retries",
+    "req/s",
+]
+
+
+def _num(value: Any) -> str:
+    return "—" if value is None else f"{value:.4g}"
+
+
+def _compact_rows(report: Report, short: dict[str, str]) -> list[list[str]]:
+    rows = []
+    for st in report.steps:
+        sm = st.summary
+        rows.append(
+            [
+                short[st.id],
+                "valid" if st.valid else "INVALID",
+                str(sm.get("requests", 0)),
+                _num((sm.get("ttft_ms") or {}).get("p50")),
+                _num((sm.get("ttft_ms") or {}).get("p99")),
+                _num((sm.get("tpot_ms") or {}).get("p99")),
+                _num((sm.get("transfer_ms") or {}).get("p99")),
+                str(sm.get("failed", 0)),
+                str(sm.get("degraded", 0)),
+                str(sm.get("retries", 0)),
+                _num(sm.get("achieved_rps")),
+            ]
+        )
+    return rows
+
+
+def render_report(console: Console, report: Report) -> None:
+    """Verdict first, then criteria, steps and what to change."""
+    colour = "green" if report.verdict == "GO" else "red"
+    console.print(f"[bold {colour}]{_headline(report)}[/]  ({report.name})")
+    for p in report.problems:
+        console.print(f"problem: {p}")
+    short = {st.id: st.id.split("-", 1)[0] for st in report.steps}
+    crit = [[r[0], short.get(r[1], r[1]), *r[2:]] for r in criteria_rows(report)]
+    console.print(_table("criteria", CRITERIA_HEADERS, crit))
+    console.print(_table("steps (ms unless stated)", _COMPACT, _compact_rows(report, short)))
+    for full, brief in short.items():
+        console.print(f"{brief} = {full}")
+    for r in report.recommendations:
+        console.print(f"- {r}")
+
+
+def _short_step(step_id: str) -> str:
+    parts = step_id.split("-", 4)
+    return f"{parts[0]} {parts[-1]}" if len(parts) == 5 else step_id
+
+
+def render_diff(console: Console, data: dict[str, Any]) -> None:
+    """One row per (criterion, step) with A, B, the change and pass/fail movement."""
+    a, b = data["a"], data["b"]
+    console.print(f"A: {a['name']} {a['verdict']}  →  B: {b['name']} {b['verdict']}")
+    t = Table()
+    for h in ("criterion", "step", "A", "B", "change", "threshold A→B", "status"):
+        t.add_column(h)
+    for r in data["rows"]:
+        fmt = lambda v: "—" if v is None else f"{v:.4g}"  # noqa: E731
+        t.add_row(
+            r["criterion"],
+            _short_step(r["step"]),
+            fmt(r["a_measured"]),
+            fmt(r["b_measured"]),
+            fmt(r["change"]),
+            f"{fmt(r['a_threshold'])}→{fmt(r['b_threshold'])}",
+            r["status"],
+        )
+    console.print(t)

@@ -1,0 +1,183 @@
+"""Per-step statistics from the exact per-request records the load generator writes.
+
+Locust's own CSV rounds response times and mixes failures into latency; pdx judges from the
+JSONL records instead (failed requests counted separately, never in latency percentiles).
+Percentiles are numpy's linear interpolation (as ``vllm bench serve``).
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMULAS: dict[str, str] = {
+    "margin": "threshold − measured for a maximum, measured − threshold for a minimum "
+    "(positive = room to spare)",
+    "percentiles": "numpy linear interpolation over exact per-request values of ok requests",
+    "ttft_ms": "time of the first SSE event carrying content − intended send time",
+    "tpot_ms": "(E2E − TTFT) / (output tokens − 1), output tokens from the server's usage",
+    "itl_ms": "gap between consecutive content-carrying SSE events (every gap of every request)",
+    "e2e_ms": "time `data: [DONE]` arrived − intended send time",
+    "queue_ms": "actual send time − intended send time (open loop client-side wait)",
+    "transfer_ms": "KV transfer time the gateway reports per request (`pdx.transfer_ms`)",
+    "error_rate": "failed requests / all requests (failures excluded from latency statistics)",
+    "retry_rate": "KV transfer retries / KV transfers attempted",
+    "degrade_rate": "requests degraded to local prefill or shed / all requests",
+    "transfer_success": "KV transfers that succeeded / KV transfers attempted",
+    "eviction_rate": "KV objects evicted before release / KV objects created",
+    "achieved_rps": "requests finished (ok + failed) / measured step duration",
+    "achieved_concurrency": "Σ E2E of requests / step duration (mean requests in flight)",
+    "load_fraction": "achieved_concurrency / users (closed loop) or achieved_rps / target rate",
+    "goodput_rps": "requests meeting every latency criterion / step duration",
+    "output_tok_s": "Σ output tokens of ok requests / step duration",
+    "recovery_s": "link restored → start of the first 1 s window (by intended send time) with no "
+    "failed or degraded request and TTFT p50 ≤ 1.5 × the median pre-fault 1 s TTFT p50",
+}
+
+
+def read_records(directory: Path) -> list[dict[str, Any]]:
+    """All JSONL request records under ``directory`` (one file per Locust process)."""
+    rows: list[dict[str, Any]] = []
+    for f in sorted(directory.glob("requests-*.jsonl")):
+        for line in f.read_text().splitlines():
+            if line.strip():
+                rows.append(json.loads(line))
+    rows.sort(key=lambda r: r["t_intended_s"])
+    return rows
+
+
+def pct(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0–100), or None when there are no values."""
+    return float(np.percentile(np.asarray(values, dtype=float), q)) if values else None
+
+
+def distribution(values: list[float]) -> dict[str, float | None]:
+    """count, mean, p50, p90, p99, max."""
+    return {
+        "count": float(len(values)),
+        "mean": float(np.mean(values)) if values else None,
+        "p50": pct(values, 50),
+        "p90": pct(values, 90),
+        "p99": pct(values, 99),
+        "max": float(max(values)) if values else None,
+    }
+
+
+def _transfer_counts(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
+    pdx_objs = [r["pdx"] for r in all_rows if isinstance(r.get("pdx"), dict)]
+    routes = Counter(str(p.get("route", "unknown")) for p in pdx_objs)
+    degraded = [p for p in pdx_objs if p.get("degraded")]
+    reasons = Counter(
+        str(p.get("degrade_reason") or p.get("reason") or "unspecified") for p in degraded
+    )
+    transfer_ms = [float(p["transfer_ms"]) for p in pdx_objs if p.get("transfer_ms") is not None]
+    transfer_ms = [t for t in transfer_ms if t > 0]
+    retries = sum(int(p.get("retries") or 0) for p in pdx_objs)
+    outcomes = Counter(str(p["transfer_outcome"]) for p in pdx_objs if p.get("transfer_outcome"))
+    attempted = sum(outcomes.values())
+    succeeded = outcomes.get("ok", 0)
+    return {
+        "routes": dict(routes),
+        "degraded": len(degraded),
+        "degrade_reasons": dict(reasons),
+        "retries": retries,
+        "transfers_attempted": attempted,
+        "transfers_succeeded": succeeded,
+        "transfer_outcomes": dict(outcomes),
+        "kv_created": sum(1 for p in pdx_objs if p.get("kv_id")),
+        "transfer_ms": transfer_ms,
+        "kv_bytes": sum(int(p.get("kv_bytes") or 0) for p in pdx_objs),
+        "with_pdx_object": len(pdx_objs),
+    }
+
+
+def summarize(rows: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
+    """Latency distributions, counts and rates of one step's records."""
+    ok = [r for r in rows if r.get("ok")]
+    failed = [r for r in rows if not r.get("ok")]
+    elapsed_s = max(elapsed_s, 1e-9)
+    xfer = _transfer_counts(rows)
+    e2e_sum_s = sum((r["e2e_ms"] or 0.0) for r in ok) / 1e3
+    errors = Counter(str(r.get("error"))[:120] for r in failed)
+    return {
+        "requests": len(rows),
+        "ok": len(ok),
+        "failed": len(failed),
+        "errors": dict(errors.most_common(10)),
+        "error_rate": len(failed) / len(rows) if rows else None,
+        "ttft_ms": distribution([r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None]),
+        "tpot_ms": distribution([r["tpot_ms"] for r in ok if r.get("tpot_ms") is not None]),
+        "itl_ms": distribution([g for r in ok for g in r.get("itl_ms") or []]),
+        "e2e_ms": distribution([r["e2e_ms"] for r in ok if r.get("e2e_ms") is not None]),
+        "queue_ms": distribution([r.get("queue_ms") or 0.0 for r in rows]),
+        "transfer_ms": distribution(xfer.pop("transfer_ms")),
+        "achieved_rps": len(rows) / elapsed_s,
+        "achieved_concurrency": e2e_sum_s / elapsed_s,
+        "output_tok_s": sum(r.get("output_tokens") or 0 for r in ok) / elapsed_s,
+        "usage_from_server": sum(1 for r in ok if r.get("usage_source") == "server"),
+        **xfer,
+    }
+
+
+def timeline(rows: list[dict[str, Any]], t0_s: float, bin_s: float = 1.0) -> list[dict[str, Any]]:
+    """Per-``bin_s`` series from the step start: finished, failed, degraded, TTFT p50 and p99."""
+    if not rows:
+        return []
+    last = max(r["t_intended_s"] - t0_s for r in rows)
+    bins: list[dict[str, Any]] = []
+    for i in range(int(last // bin_s) + 1):
+        lo, hi = t0_s + i * bin_s, t0_s + (i + 1) * bin_s
+        in_bin = [r for r in rows if lo <= r["t_intended_s"] < hi]
+        ttft = [r["ttft_ms"] for r in in_bin if r.get("ok") and r.get("ttft_ms") is not None]
+        bins.append(
+            {
+                "t_s": i * bin_s,
+                "sent": len(in_bin),
+                "failed": sum(1 for r in in_bin if not r.get("ok")),
+                "degraded": sum(1 for r in in_bin if (r.get("pdx") or {}).get("degraded")),
+                "retries": sum(int((r.get("pdx") or {}).get("retries") or 0) for r in in_bin),
+                "ttft_p50_ms": pct(ttft, 50),
+                "ttft_p99_ms": pct(ttft, 99),
+            }
+        )
+    return bins
+
+
+def recovery_s(bins: list[dict[str, Any]], down_at_s: float, down_for_s: float) -> float | None:
+    """Seconds from link restore until requests take the normal path again at pre-fault TTFT.
+
+    None when there is no pre-fault baseline or the service never recovered within the step.
+    """
+    before = [b["ttft_p50_ms"] for b in bins if b["t_s"] + 1 <= down_at_s and b["ttft_p50_ms"]]
+    if not before:
+        return None
+    baseline = float(np.median(before))
+    up_at = down_at_s + down_for_s
+    for b in bins:
+        if b["t_s"] < up_at or b["ttft_p50_ms"] is None:
+            continue
+        if b["failed"] == 0 and b["degraded"] == 0 and b["ttft_p50_ms"] <= 1.5 * baseline:
+            return max(0.0, b["t_s"] - up_at)
+    return None
+
+
+def derive_rates(summary: dict[str, Any], metrics_delta: dict[str, float]) -> None:
+    """Add transfer_success, retry_rate, degrade_rate and eviction_rate (None when undefined).
+
+    Per-request ``pdx`` objects are the source; ``pdx_kv_evicted_total`` comes from /metrics.
+    """
+    attempted = summary.get("transfers_attempted", 0)
+    summary["transfer_success"] = (
+        summary.get("transfers_succeeded", 0) / attempted if attempted else None
+    )
+    summary["retry_rate"] = summary.get("retries", 0) / attempted if attempted else None
+    n = summary.get("requests", 0)
+    summary["degrade_rate"] = summary.get("degraded", 0) / n if n else None
+    evicted = sum(v for k, v in metrics_delta.items() if k.startswith("pdx_kv_evicted_total"))
+    created = summary.get("kv_created", 0)
+    has_counter = any(k.startswith("pdx_kv_evicted_total") for k in metrics_delta)
+    summary["eviction_rate"] = evicted / created if created and has_counter else None

@@ -1,0 +1,127 @@
+"""``pdx accept PLAYBOOK`` and ``pdx report show|diff``: thin commands over :mod:`pdx.accept`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from pdx.cli.output import emit, err_console
+
+
+def accept(
+    playbook: Path = typer.Argument(..., help="playbook YAML (see playbooks/)"),
+    out: Path = typer.Option(Path("reports"), "--out", help="directory that receives the report"),
+    set_: list[str] = typer.Option(
+        [],
+        "--set",
+        help="override any playbook field by dotted path, e.g. criteria.ttft_p99_ms=500",
+    ),
+    as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
+    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar on stderr"),
+) -> None:
+    """Run a playbook: deploy or target, load, inject faults, judge. Exit 0 GO, 1 NO-GO, 2 error."""
+    import asyncio
+
+    from pdx.accept.playbook import load_playbook
+    from pdx.accept.run import AcceptRun
+
+    pb = load_playbook(playbook, dotted=set_)
+    progress = None if no_progress else _Progress()
+    run = AcceptRun(pb, playbook, out, progress.update if progress else None)
+    try:
+        if progress:
+            progress.start(run)
+        asyncio.run(run.execute())
+    except KeyboardInterrupt:
+        if progress:
+            progress.stop()
+        where = f"; partial report: {run.report_dir}" if run.report else ""
+        typer.echo(f"interrupted{where}", err=True)
+        raise typer.Exit(130) from None
+    finally:
+        if progress:
+            progress.stop()
+    assert run.report is not None
+    emit(run.report, as_json=as_json, render=lambda c, r: _render_summary(c, r, run.report_dir))
+    raise typer.Exit(run.report.exit_code)
+
+
+class _Progress:
+    """Rich progress over the matrix (stderr), with ETA from the planned step durations."""
+
+    def __init__(self) -> None:
+        from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+        self.bar = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            TimeRemainingColumn(),
+            console=err_console(),
+            transient=True,
+        )
+        self.task: Any = None
+        self.done_before: dict[int, float] = {}
+
+    def start(self, run: Any) -> None:
+        acc = 0.0
+        for s in run.steps:
+            self.done_before[s.index] = acc
+            acc += s.duration_s
+        self.task = self.bar.add_task(f"{run.pb.name}", total=run.total_s)
+        self.bar.start()
+
+    def update(self, index: int, step: Any, seconds: float) -> None:
+        n = len(self.done_before)
+        self.bar.update(
+            self.task,
+            completed=self.done_before[index] + seconds,
+            description=f"step {index + 1}/{n} {step.id}",
+        )
+
+    def stop(self) -> None:
+        self.bar.stop()
+
+
+def _render_summary(console: Any, report: Any, directory: Path) -> None:
+    from pdx.accept.show import render_report
+
+    render_report(console, report)
+    console.print(f"report: {directory}/report.html")
+
+
+def show(directory: Path = typer.Argument(..., help="a report directory")) -> None:
+    """Summarise a report in the terminal: verdict, criteria, steps."""
+    from pdx.accept.report import load_report
+    from pdx.accept.show import render_report
+
+    report = load_report(directory)
+    emit(report, as_json=False, render=render_report)
+
+
+def diff(
+    a: Path = typer.Argument(..., help="the earlier report directory"),
+    b: Path = typer.Argument(..., help="the later report directory"),
+    as_json: bool = typer.Option(False, "--json", help="print the rows as JSON"),
+) -> None:
+    """Per criterion and step: what changed between report A and report B."""
+    from pdx.accept.report import diff_reports, load_report
+    from pdx.accept.show import render_diff
+
+    ra, rb = load_report(a), load_report(b)
+    data = {
+        "a": {"verdict": ra.verdict, "name": ra.name},
+        "b": {"verdict": rb.verdict, "name": rb.name},
+        "rows": diff_reports(ra, rb),
+    }
+    emit(data, as_json=as_json, render=render_diff)
+
+
+def register(app: typer.Typer) -> None:
+    """Add ``accept`` and the ``report`` group."""
+    app.command("accept")(accept)
+    report = typer.Typer(help="Read acceptance reports.", no_args_is_help=True)
+    report.command("show")(show)
+    report.command("diff")(diff)
+    app.add_typer(report, name="report")

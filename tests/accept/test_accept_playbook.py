@@ -1,0 +1,133 @@
+"""Playbook validation, overrides, step expansion and condition → toxics."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from pdx.accept.link import condition_toxics
+from pdx.accept.playbook import Condition, expand_steps, load_playbook, step_criteria
+from pdx.cli.main import app
+from pdx.errors import ConfigError
+from pdx.faults.toxics import parse_toxic
+
+PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
+
+
+@pytest.mark.parametrize("name", ["smoke", "cross-dc-reference", "external-endpoint"])
+def test_shipped_playbooks_validate(name: str) -> None:
+    pb = load_playbook(PLAYBOOKS / f"{name}.yaml")
+    assert pb.name == name and expand_steps(pb)
+
+
+def test_reference_matrix_is_the_briefs() -> None:
+    pb = load_playbook(PLAYBOOKS / "cross-dc-reference.yaml")
+    steps = expand_steps(pb)
+    assert len(steps) == 3 * 3 * 4 * 4
+    assert {s.input_tokens for s in steps} == {1024, 8192, 32768}
+    assert {s.network for s in steps} == {"normal", "delay", "loss", "link-break"}
+    assert all(s.duration_s == 600 for s in steps)
+    assert "model.backend=synthetic" in pb.target.deploy_set
+
+
+def test_smoke_has_a_fault_step_and_fits_five_minutes() -> None:
+    pb = load_playbook(PLAYBOOKS / "smoke.yaml")
+    steps = expand_steps(pb)
+    assert any(pb.conditions[s.network].is_fault for s in steps)
+    assert sum(s.duration_s for s in steps) <= 120  # load time; the rest is startup
+
+
+def test_set_overrides_by_dotted_path() -> None:
+    pb = load_playbook(
+        PLAYBOOKS / "smoke.yaml",
+        dotted=["criteria.ttft_p99_ms=0.001", "matrix.concurrency=[1,3]", "matrix.duration_s=9"],
+    )
+    assert pb.criteria.ttft_p99_ms == 0.001
+    assert [s.concurrency for s in expand_steps(pb)] == [1, 3, 1, 3]
+    fault = next(s for s in expand_steps(pb) if s.network == "link-break")
+    assert step_criteria(pb, fault).degrade_rate_max is None  # condition override
+    assert step_criteria(pb, fault).ttft_p99_ms == 0.001  # global value kept
+
+
+BAD = {
+    "name": "bad name!",
+    "target": {"url": "http://127.0.0.1:1"},
+    "matrix": {
+        "input_tokens": [128, 0],
+        "output_tokens": [],
+        "concurrency": [1, 8, -2],
+        "duration_s": 0,
+        "colour": "blue",
+    },
+    "criteria": {"ttft_p99_ms": -5, "transfer_success_min": 1.5},
+    "validity": {"min_requests": 0},
+}
+
+
+def test_bad_playbook_lists_every_problem_with_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(BAD))
+    with pytest.raises(ConfigError) as info:
+        load_playbook(path)
+    text = "\n".join(info.value.problems)
+    for where in (
+        "name:",
+        "matrix.input_tokens[1]:",
+        "matrix.output_tokens:",
+        "matrix.concurrency[2]:",
+        "matrix.duration_s:",
+        "matrix.colour: unknown key",
+        "criteria.ttft_p99_ms:",
+        "criteria.transfer_success_min:",
+        "validity.min_requests:",
+    ):
+        assert where in text, (where, text)
+    assert "greater than 0 (got -2)" in text
+
+
+def test_bad_playbook_cli_exit_2_one_line_per_problem(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text(yaml.safe_dump(BAD))
+    result = CliRunner().invoke(app, ["accept", str(path), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2
+    err = result.stderr
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert "matrix.concurrency[2]: Input should be greater than 0 (got -2)" in err
+    assert len([ln for ln in err.splitlines() if ln.startswith("  ")]) == 9
+    assert not (tmp_path / "r").exists()  # nothing ran
+
+
+def test_cross_field_rules(tmp_path: Path) -> None:
+    doc = {
+        "name": "x",
+        "target": {"url": "http://127.0.0.1:1"},
+        "matrix": {
+            "input_tokens": [1],
+            "output_tokens": [1],
+            "concurrency": [1],
+            "network": ["normal", "cut"],
+            "duration_s": 10,
+        },
+        "conditions": {"normal": {}, "cut": {"link_down_at_s": 3, "link_down_for_s": 2}},
+    }
+    path = tmp_path / "x.yaml"
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"network faults need target\.deploy"):
+        load_playbook(path)
+    doc["matrix"]["network"] = ["nowhere"]  # type: ignore[index]
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(ConfigError, match=r"\['nowhere'\] not defined under conditions"):
+        load_playbook(path)
+    result = CliRunner().invoke(app, ["accept", str(path), "--set", "matrix"])
+    assert result.exit_code == 2 and "--set" in result.stderr
+
+
+def test_conditions_become_valid_fault_toxics() -> None:
+    c = Condition(delay_ms=20, jitter_ms=5, loss=0.01, bandwidth_mbps=100)
+    toxics = [parse_toxic(t) for t in condition_toxics(c)]
+    assert [t.type for t in toxics] == ["latency", "stall", "bandwidth"]
+    assert condition_toxics(Condition()) == []
+    assert not Condition().is_fault and Condition(link_down_at_s=1, link_down_for_s=1).is_fault

@@ -1,0 +1,77 @@
+"""The smoke playbook end to end: real ``pdx deploy``, real Locust, one KV link break."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import jsonschema
+import pytest
+from typer.testing import CliRunner
+
+from pdx.accept.report import SCHEMA_PATH, Report
+from pdx.cli.main import app
+
+SMOKE = Path(__file__).resolve().parents[2] / "playbooks" / "smoke.yaml"
+
+pytestmark = pytest.mark.slow
+
+
+def _report(out: Path) -> dict:
+    (path,) = list(out.glob("*/report.json"))
+    data = json.loads(path.read_text())
+    Report.model_validate(data)
+    jsonschema.validate(data, json.loads(SCHEMA_PATH.read_text()))
+    return data
+
+
+def test_smoke_go_with_fault_step(tmp_path: Path) -> None:
+    result = CliRunner().invoke(
+        app, ["accept", str(SMOKE), "--out", str(tmp_path), "--no-progress"]
+    )
+    data = _report(tmp_path)
+    assert result.exit_code == 0, (result.output, data["recommendations"])
+    assert data["verdict"] == "GO" and data["valid"] and data["complete"]
+    normal, fault = data["steps"]
+    assert normal["summary"]["routes"].get("disaggregated", 0) > 0  # KV really crossed the link
+    assert normal["summary"]["transfer_ms"]["p99"] is not None
+    # The fault really fired: the proxy counted the link going down and refused connections.
+    assert fault["proxy"]["link_down_events"] == 1
+    assert fault["proxy"]["connections_refused"] + fault["summary"]["retries"] > 0
+    events = [e["event"] for e in fault["fault_events"]]
+    assert events[0].startswith("link down") and events[1] == "link up"
+    # ... and the service reacted: degraded to local prefill, no request failed.
+    assert fault["summary"]["degraded"] > 0 and fault["summary"]["failed"] == 0
+    assert any(k.startswith("pdx_gateway_degradations_total") for k in fault["metrics_delta"])
+    assert any(s.startswith("fault-") for s in data["plots"])
+    md = next(tmp_path.glob("*/report.md")).read_text()
+    assert "Faults and how the service reacted" in md and "link-down events 1" in md
+
+
+def test_smoke_no_go_on_impossible_ttft(tmp_path: Path) -> None:
+    args = [
+        "accept",
+        str(SMOKE),
+        "--out",
+        str(tmp_path),
+        "--no-progress",
+        "--json",
+        "--set",
+        "criteria.ttft_p99_ms=0.001",
+        "--set",
+        "matrix.network=[normal]",
+        "--set",
+        "matrix.duration_s=8",
+        "--set",
+        "validity.min_duration_s=4",
+        "--set",
+        "validity.min_requests=5",
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 1, result.output
+    data = json.loads(result.stdout)
+    assert data == _report(tmp_path)
+    assert data["verdict"] == "NO-GO" and data["valid"]
+    failed = {c["name"] for c in data["criteria"] if not c["passed"]}
+    assert "ttft_p99_ms" in failed
+    assert any("TTFT over SLA" in r for r in data["recommendations"])

@@ -1,0 +1,192 @@
+"""The locustfile as users run it: a real Locust subprocess against a real streaming server."""
+
+from __future__ import annotations
+
+import csv
+import itertools
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
+
+
+def _locust(*args: str, timeout_s: float = 60) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--only-summary", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s, cwd=ROOT)
+
+
+def _records(directory: Path) -> list[dict]:
+    rows = []
+    for f in directory.glob("requests-*.jsonl"):
+        rows += [json.loads(line) for line in f.read_text().splitlines()]
+    return rows
+
+
+def _stats(prefix: Path) -> dict[str, dict[str, str]]:
+    with open(f"{prefix}_stats.csv") as fh:
+        return {row["Name"]: row for row in csv.DictReader(fh)}
+
+
+def test_closed_loop_headless_csv(sse_server, tmp_path: Path) -> None:
+    out = _locust(
+        "--headless",
+        "-u",
+        "3",
+        "-r",
+        "3",
+        "--run-time",
+        "4s",
+        "--host",
+        sse_server.url,
+        "--csv",
+        str(tmp_path / "step"),
+        "--pdx-records",
+        str(tmp_path),
+        "--pdx-input-len",
+        "8:32",
+        "--pdx-output-len",
+        "5",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    stats = _stats(tmp_path / "step")
+    assert {"ttft", "tpot", "itl", "e2e"} <= set(stats)
+    recs = _records(tmp_path)
+    assert recs and all(r["ok"] for r in recs)
+    # Every request the server answered is recorded, except those of users stopped by the
+    # run-time limit between the server's last write and the client's record (at most one each).
+    assert sse_server.stats.completed - 3 <= len(recs) <= sse_server.stats.completed
+    assert int(stats["e2e"]["Request Count"]) <= len(recs)
+    for r in recs:
+        assert r["output_tokens"] == 5 and r["usage_source"] == "server"
+        assert 8 <= r["input_len"] <= 32 and r["prompt_tokens"] == r["input_len"]
+        assert r["tpot_ms"] == pytest.approx((r["e2e_ms"] - r["ttft_ms"]) / 4)
+        assert len(r["itl_ms"]) == 4
+    assert {r["mode"] for r in recs} == {"closed"}
+
+
+def test_open_loop_poisson_from_intended_time(sse_server, tmp_path: Path) -> None:
+    sse_server.cfg.first_token_delay_s = 0.05  # each request holds its slot >= 50 ms
+    out = _locust(
+        "--headless",
+        "-u",
+        "2",
+        "-r",
+        "2",
+        "--run-time",
+        "4s",
+        "--host",
+        sse_server.url,
+        "--pdx-records",
+        str(tmp_path),
+        "--pdx-mode",
+        "open",
+        "--pdx-rate",
+        "40",
+        "--pdx-max-inflight",
+        "1",
+        "--pdx-output-len",
+        "3",
+        "--pdx-input-len",
+        "4",
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    recs = _records(tmp_path)
+    assert {r["mode"] for r in recs} == {"open"}
+    starts = sorted(r["t_intended_s"] for r in recs)
+    # Two users with one slot each serve at most ~2/0.06 s ≈ 33 req/s < 40 offered: the client
+    # queues, and that wait is inside TTFT (intended send time), not hidden.
+    queued = [r for r in recs if r["queue_ms"] > 5]
+    assert queued, "an overloaded open loop must show client-side queueing"
+    assert all(r["ttft_ms"] >= r["queue_ms"] for r in queued)
+    gaps = [b - a for a, b in itertools.pairwise(starts)]
+    assert len(gaps) > 20
+    # Poisson arrivals: exponential gaps have a coefficient of variation near 1 (not ~0).
+    mean = sum(gaps) / len(gaps)
+    cv = (sum((g - mean) ** 2 for g in gaps) / len(gaps)) ** 0.5 / mean
+    assert 0.5 < cv < 2.0
+
+
+@pytest.mark.slow
+def test_master_with_two_workers(sse_server, tmp_path: Path) -> None:
+    port = _free_port()
+    master = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "locust",
+            "-f",
+            str(LOCUSTFILE),
+            "--master",
+            "--headless",
+            "--master-bind-host",
+            "127.0.0.1",
+            "--master-bind-port",
+            str(port),
+            "--expect-workers",
+            "2",
+            "-u",
+            "4",
+            "-r",
+            "4",
+            "--run-time",
+            "4s",
+            "--host",
+            sse_server.url,
+            "--csv",
+            str(tmp_path / "dist"),
+            "--pdx-records",
+            str(tmp_path),
+            "--pdx-output-len",
+            "4",
+            "--only-summary",
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    workers: list[subprocess.Popen[str]] = []
+    try:
+        for _ in range(2):
+            workers.append(
+                subprocess.Popen(
+                    [
+                        sys.executable,
+                        "-m",
+                        "locust",
+                        "-f",
+                        str(LOCUSTFILE),
+                        "--worker",
+                        "--master-host",
+                        "127.0.0.1",
+                        "--master-port",
+                        str(port),
+                    ],
+                    cwd=ROOT,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
+        assert master.wait(90) == 0
+    finally:
+        for p in [*workers, master]:
+            if p.poll() is None:
+                p.kill()
+            p.wait(10)
+    recs = _records(tmp_path)
+    assert len({r["worker_pid"] for r in recs}) == 2  # both workers sent load
+    assert all(r["ok"] and r["output_tokens"] == 4 for r in recs)
+    assert int(_stats(tmp_path / "dist")["e2e"]["Request Count"]) > 0
+
+
+def _free_port() -> int:
+    """An ephemeral port picked by the kernel (Locust's master cannot report a port-0 bind)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
