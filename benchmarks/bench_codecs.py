@@ -111,6 +111,17 @@ def verdicts(result: dict[str, Any]) -> list[str]:
     ]
 
 
+def fp8_path() -> str:
+    """Which fp8 conversion ran: the compiled kernels, or torch's element-wise cast."""
+    from pdx.kv.codecs.lossy import _kernels
+
+    if _kernels() is None:
+        return "torch element-wise cast (numba not installed)"
+    import numba
+
+    return f"compiled kernels (numba {numba.__version__}; bf16 encode, bf16/fp16/fp32 decode)"
+
+
 def main() -> None:
     """Run the benchmark and print a table (or JSON)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -127,6 +138,7 @@ def main() -> None:
     result = measure(sample, args.repeats)
     result.update(source=source, threads=args.threads, repeats=args.repeats)
     result.update(load_average=list(os.getloadavg()), cpus=os.cpu_count())
+    result["fp8_path"] = fp8_path()
     result["verdicts"] = verdicts(result)
     if args.json:
         print(json.dumps(result, indent=2))
@@ -146,6 +158,7 @@ def main() -> None:
         )
     for line in result["verdicts"]:
         print(line)
+    print(f"fp8 conversion: {result['fp8_path']}")
 
 
 if __name__ == "__main__":

@@ -6,10 +6,12 @@ planes) is part of pdx's KV contract and must not change with a dependency's ver
 
 Error bounds (per element, before the final cast back to the source dtype):
 
-* ``fp8-e4m3``: ``|x - x'| <= (2**-4 + 2**-6) * |x| + 2**-9 * scale``; ``fp8-e5m2``:
-  ``(2**-3 + 2**-6) * |x| + 2**-16 * scale`` (scale = amax * (1 + 2**-6) / fp8 max, per
-  tensor or per head; the 2**-6 term covers the multiply's rounding in bf16 and the final
-  rounding back to the source dtype).
+* ``fp8-e4m3`` / ``fp8-e5m2``: the scale is ``2**k``, the smallest power of two with
+  ``amax / scale <= fp8 max`` (per tensor or per head), so the scaling is exact and
+  ``scale < 2 * amax / fp8 max``; only the round-to-nearest-even to fp8 loses precision:
+  ``|x - x'| <= 2**-4 * |x| + 2**-10 * scale`` (e4m3) and ``2**-3 * |x| + 2**-17 * scale``
+  (e5m2). A tensor (or head) holding inf or NaN keeps scale 1 and follows torch's fp8
+  rules (NaN stays NaN; e5m2 keeps inf; e4m3, which has no inf, saturates to +-448).
 * ``int<b>-g<N>``: ``|x - x'| <= (max - min) / (2**b - 1) / 2`` over each group of ``N``
   (keys: N tokens of one channel; values: N channels of one token; rows shorter than N
   form one group).
@@ -17,9 +19,13 @@ Error bounds (per element, before the final cast back to the source dtype):
 
 from __future__ import annotations
 
+import functools
+import math
 import re
+from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
 from pdx.errors import InputError
@@ -35,13 +41,30 @@ from pdx.kv.codecs.base import (
 from pdx.kv.codecs.tensorio import tensor_bytes, tensor_from_bytes
 
 _FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
-_MARGIN = 1 + 2**-6  # headroom over amax; see Fp8Codec.encode
+_MIN_EXPONENT = -126  # keeps every float32 scale a normal number
+
+
+@functools.cache
+def _kernels() -> ModuleType | None:
+    """The compiled fp8 kernels, or None where numba is not installed (torch does it all)."""
+    try:
+        from pdx.kv.codecs import fp8_fast
+    except ImportError:
+        return None
+    return fp8_fast
+
+
+def _power_of_two(exponents: np.ndarray) -> np.ndarray:
+    """``2.0 ** e`` as exact float32, built from the bits (e in [-126, 127])."""
+    return ((exponents.astype(np.int32) + 127) << 23).view(np.float32)
 
 
 class Fp8Codec(KVCodec):
-    """FP8 with a float32 scale per tensor, or per head (dimension -3) when ``per_head``."""
+    """FP8 with a power-of-two float32 scale per tensor, or per head (dimension -3) when
+    ``per_head``. Set ``use_kernels = False`` to force the plain torch path (same bytes)."""
 
     lossless = False
+    use_kernels = True
 
     def __init__(self, fmt: str, per_head: bool) -> None:
         self.fmt = fmt
@@ -50,49 +73,86 @@ class Fp8Codec(KVCodec):
         self._dtype = _FP8[fmt]
         self._max = float(torch.finfo(self._dtype).max)
 
-    def _amax(self, x: torch.Tensor) -> torch.Tensor:
-        """Largest magnitude per tensor or per head, in one pass (no |x| temporary)."""
+    def _scale_shape(self, x: torch.Tensor) -> list[int]:
         if self.per_head and x.dim() >= 3:
-            rows = x.reshape(*x.shape[:-2], -1)  # aminmax(dim=) is ~30x slower on CPU than these
-            amax = torch.maximum(rows.amin(dim=-1).neg(), rows.amax(dim=-1)).float()
-            return amax.reshape(*x.shape[:-2], 1, 1)
-        low, high = torch.aminmax(x)
-        return torch.maximum(low.neg(), high).float().reshape([1] * max(x.dim(), 1))
+            return [*x.shape[:-2], 1, 1]
+        return [1] * max(x.dim(), 1)
 
     @staticmethod
-    def _inverse(scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """1 / scale in the dtype the multiply runs in (bf16 and fp32 inputs stay in their own
-        dtype for speed; fp16, whose range is too narrow for 1 / scale, goes through fp32)."""
-        inverse = scale.reciprocal()
-        if dtype in (torch.bfloat16, torch.float32):
-            narrowed = inverse.to(dtype)
-            if bool(torch.isfinite(narrowed).all()):
-                return narrowed
-        return inverse
+    def _amax(x: torch.Tensor, rows: int) -> np.ndarray:
+        """Largest magnitude per row (tensor or head) as float64, in one pass (no |x| temporary)."""
+        if x.numel() == 0:
+            return np.zeros(rows)
+        if rows > 1:
+            flat = x.reshape(rows, -1)  # aminmax(dim=) is ~30x slower on CPU than these
+            return torch.maximum(flat.amin(dim=-1).neg(), flat.amax(dim=-1)).double().numpy()
+        low, high = torch.aminmax(x)
+        return torch.maximum(low.neg(), high).double().numpy().reshape(1)
+
+    def _exponents(self, amax: np.ndarray) -> np.ndarray:
+        """Per row, the smallest k with ``amax <= fp8 max * 2**k`` (0 for zero, inf or NaN)."""
+        mantissa, exponent = np.frexp(amax)
+        top_mantissa, top_exponent = math.frexp(self._max)
+        k = np.maximum(exponent - top_exponent + (mantissa > top_mantissa), _MIN_EXPONENT)
+        return np.where(np.isfinite(amax) & (amax > 0), k, 0).astype(np.int32)
 
     def encode(self, x: torch.Tensor, role: Role = "value") -> bytes:
-        x = x.detach()
-        # The margin keeps |x| / scale below the fp8 maximum after the rounding of the
-        # multiply in x's own dtype, so no clamp pass is needed.
-        scale = self._amax(x) * (_MARGIN / self._max)
-        scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-        q = (x * self._inverse(scale, x.dtype)).to(self._dtype)
+        x = x.detach().cpu()
+        scale_shape = self._scale_shape(x)
+        rows = _numel(scale_shape)
+        kernels = _kernels() if self.use_kernels else None
+        if kernels and x.dtype == torch.bfloat16 and x.device.type == "cpu" and x.numel():
+            payload, k = self._encode_bf16(kernels, x, rows)
+        else:
+            k = self._exponents(self._amax(x, rows))
+            payload = tensor_bytes(self._quantize(x, k, scale_shape))
         meta = {
             "codec": self.name,
             "dtype": dtype_name(x.dtype),
             "shape": list(x.shape),
-            "scale_shape": list(scale.shape),
+            "scale_shape": scale_shape,
         }
-        return pack(meta, tensor_bytes(q), tensor_bytes(scale.contiguous()))
+        return pack(meta, payload, _power_of_two(k).tobytes())
+
+    def _quantize(self, x: torch.Tensor, k: np.ndarray, scale_shape: list[int]) -> torch.Tensor:
+        """torch path: x * 2**-k (exact) rounded to fp8 by torch's own conversion."""
+        inverse = torch.from_numpy(_power_of_two(-k)).reshape(scale_shape)
+        if x.dtype in (torch.bfloat16, torch.float32):
+            inverse = inverse.to(x.dtype)  # a power of two in range: exact, and faster
+        return (x * inverse).to(self._dtype)
+
+    def _encode_bf16(
+        self, kernels: ModuleType, x: torch.Tensor, rows: int
+    ) -> tuple[memoryview, np.ndarray]:
+        """Kernel path for bf16 (the usual KV dtype); torch's path where it does not apply."""
+        bits = x.contiguous().view(torch.int16).numpy().view(np.uint16).reshape(rows, -1)
+        top = kernels.abs_max_bits(bits)
+        k = self._exponents((top.astype(np.uint32) << 16).view(np.float32).astype(np.float64))
+        if int(top.max()) >= 0x7F80 or int(k.min()) < kernels.MIN_EXPONENT:
+            return tensor_bytes(self._quantize(x, k, self._scale_shape(x))), k
+        q = kernels.encode_bf16(bits, k, self.fmt)
+        return memoryview(q.reshape(-1)), k
 
     def decode(self, data: bytes | memoryview) -> torch.Tensor:
         meta, payload = unpack_for(data, self.name)
         with payload_errors(self.name):
             shape = meta["shape"]
             count = _numel(shape)
-            q = tensor_from_bytes(payload[:count], self._dtype, shape)
             scale = tensor_from_bytes(payload[count:], torch.float32, meta["scale_shape"])
-            return (q.float() * scale).to(dtype_from_name(meta["dtype"]))
+            dtype = dtype_from_name(meta["dtype"])
+            kernels = _kernels() if self.use_kernels else None
+            if kernels and count and _one_scale_per_row(shape, meta["scale_shape"]):
+                q = np.frombuffer(payload, np.uint8, count).reshape(scale.numel(), -1)
+                bits = kernels.decode(q, scale.reshape(-1).numpy(), self.fmt, meta["dtype"])
+                if bits is not None:
+                    return torch.from_numpy(bits).view(dtype).reshape(shape)
+            q8 = tensor_from_bytes(payload[:count], self._dtype, shape)
+            return (q8.float() * scale).to(dtype)
+
+
+def _one_scale_per_row(shape: list[int], scale_shape: list[int]) -> bool:
+    """Whether each scale covers one contiguous run of elements (per tensor or per head)."""
+    return _numel(scale_shape) == 1 or scale_shape == [*shape[:-2], 1, 1]
 
 
 def _numel(shape: list[int]) -> int:
