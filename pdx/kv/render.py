@@ -53,7 +53,7 @@ def layers_table(report: MeasureKVReport) -> Table:
 def requests_table(report: MeasureKVReport) -> Table:
     """Exact bytes per request for each length."""
     table = Table(title="per request", title_justify="left")
-    for col in ("seq", "kv_bytes", "", "growing", "sliding", "state"):
+    for col in ("seq", "kv_bytes", "total", "growing", "sliding", "state"):
         table.add_column(col, justify="right")
     for r in report.requests:
         table.add_row(
