@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 from rich.console import Console
@@ -13,6 +14,9 @@ from rich.table import Table
 from pdx.cli.output import emit, err_console
 from pdx.errors import InputError
 from pdx.units import KIB, MIB, human_bytes
+
+if TYPE_CHECKING:
+    from pdx.link.probe import ProbeOptions
 
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMG]i?B?|B)?\s*$", re.IGNORECASE)
 _FACTORS = {"": 1, "B": 1, "K": 1000, "KB": 1000, "KIB": KIB, "KI": KIB, "M": 1000**2}
@@ -101,7 +105,17 @@ def probe_link(
     ),
     chunk_seconds: float = typer.Option(1.0, "--chunk-seconds", help="Seconds per chunk size."),
     chunk_window: int = typer.Option(2, "--chunk-window", help="Chunks in flight."),
-    chunk_transport: str = typer.Option("tcp", "--chunk-transport", help="Chunk transport."),
+    chunk_transport: str = typer.Option(
+        "tcp", "--chunk-transport", help="Chunk transport: tcp (probe server) or grpc (KV store)."
+    ),
+    kv_target: str | None = typer.Option(
+        None, "--kv-target", help="KV store HOST:PORT for --chunk-transport grpc."
+    ),
+    kv_op: str = typer.Option("get", "--kv-op", help="get (decode's direction) or put."),
+    tls_dir: Path | None = typer.Option(
+        None, "--tls-dir", help="Mutual TLS to the KV store with DIR/ca.pem, DIR/NAME.{pem,key}."
+    ),
+    tls_name: str = typer.Option("decode", "--tls-name", help="Client identity NAME in --tls-dir."),
     kv_gbps: float | None = typer.Option(None, "--kv-gbps", help="Peak KV demand in Gbps."),
     kv_report: Path | None = typer.Option(
         None, "--kv-report", help="A `pdx measure-kv --json` output (with --qps)."
@@ -181,14 +195,37 @@ def probe_link(
         ),
         kv_source=kv_source,
     )
+    kv_sweep = _kv_sweep(opts, kv_target, kv_op, tls_dir, tls_name)
     progress_console = err_console()
 
     def progress(phase: str, message: str) -> None:
         progress_console.print(f"[dim]\\[{phase}][/dim] {message}")
 
-    report = run_probe(opts, progress)
+    with kv_sweep:
+        report = run_probe(opts, progress)
     emit(report, as_json=as_json, render=render_report)
     raise typer.Exit(0 if report["verdict"]["go"] else 1)
+
+
+def _kv_sweep(
+    opts: ProbeOptions, kv_target: str | None, kv_op: str, tls_dir: Path | None, tls_name: str
+) -> contextlib.AbstractContextManager[Any]:
+    """The KV store the grpc chunk transport uses (checked to answer), or a no-op."""
+    if opts.chunk_transport != "grpc":
+        for name, value in (("--kv-target", kv_target), ("--tls-dir", tls_dir)):
+            if value is not None:
+                raise InputError(name, str(value), "only with --chunk-transport grpc")
+        return contextlib.nullcontext()
+    if kv_target is None:
+        raise InputError("--kv-target", None, "HOST:PORT of a KV store for --chunk-transport grpc")
+    from pdx.link.kv_transport import kv_chunk_transport, kv_sweep_settings
+
+    settings = kv_sweep_settings(
+        kv_target, kv_op, tls_dir, tls_name, list(opts.chunk_sizes), opts.connect_timeout_s
+    )
+    if "chunks" not in opts.phases:
+        return contextlib.nullcontext()
+    return kv_chunk_transport(settings)
 
 
 def _fmt(value: Any, digits: int = 3) -> str:
@@ -224,7 +261,8 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         table.add_row("RTT under load p50 / p99 ms", _join(loaded, "p50", "p99"))
     if report["mtu"]:
         table.add_row("path MTU bytes", str(report["mtu"]))
-    console.print(table)
+    if table.row_count:  # empty when only the chunk sweep ran
+        console.print(table)
     if report["chunks"]:
         console.print(_chunk_table(report))
     console.print(_verdict_table(report["verdict"]))
@@ -235,7 +273,7 @@ def _join(data: dict[str, Any], *keys: str) -> str:
 
 
 def _chunk_table(report: dict[str, Any]) -> Table:
-    table = Table(title=f"KV chunks over {report['chunk_transport']}")
+    table = Table(title=f"KV chunks over {_transport_title(report)}")
     for name in ("chunk", "Gbps", "p50 ms", "p99 ms", "chunks"):
         table.add_column(name, justify="right")
     for c in report["chunks"]:
@@ -249,6 +287,15 @@ def _chunk_table(report: dict[str, Any]) -> Table:
         )
     table.caption = "* recommended: smallest size within 90 % of the best goodput"
     return table
+
+
+def _transport_title(report: dict[str, Any]) -> str:
+    detail = report["chunks"][0].get("transport_detail") or {}
+    if "kv_target" not in detail:
+        return str(report["chunk_transport"])
+    tls = "mTLS" if detail["tls"] else "plaintext"
+    way = "from" if detail["kv_op"] == "get" else "to"
+    return f"grpc: KV {detail['kv_op']} {way} {detail['kv_target']}, {tls}, checksums verified"
 
 
 def _verdict_table(verdict: dict[str, Any]) -> Table:

@@ -11,6 +11,7 @@ the KV gRPC path) register a factory under a name.
 from __future__ import annotations
 
 import abc
+import contextlib
 import math
 import os
 import queue
@@ -18,8 +19,9 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from pdx.errors import InputError, MeasurementError
 from pdx.link import protocol as proto
@@ -56,6 +58,10 @@ class ChunkTransport(abc.ABC):
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release the connection."""
 
+    def details(self) -> dict[str, Any]:
+        """What this transport did besides timing (e.g. TLS, objects released); optional."""
+        return {}
+
 
 ChunkTransportFactory = Callable[[ProbeSession], ChunkTransport]
 _TRANSPORTS: dict[str, ChunkTransportFactory] = {}
@@ -64,6 +70,21 @@ _TRANSPORTS: dict[str, ChunkTransportFactory] = {}
 def register_chunk_transport(name: str, factory: ChunkTransportFactory) -> None:
     """Make a transport available to ``probe-link --chunk-transport NAME``."""
     _TRANSPORTS[name] = factory
+
+
+@contextlib.contextmanager
+def chunk_transport_registered(name: str, factory: ChunkTransportFactory) -> Iterator[None]:
+    """Register ``factory`` under ``name`` inside a ``with`` block; restore the old one after."""
+    _register_builtins()
+    previous = _TRANSPORTS.get(name)
+    _TRANSPORTS[name] = factory
+    try:
+        yield
+    finally:
+        if previous is None:
+            _TRANSPORTS.pop(name, None)
+        else:
+            _TRANSPORTS[name] = previous
 
 
 def chunk_transport_names() -> list[str]:
@@ -140,8 +161,14 @@ class TcpChunkTransport(ChunkTransport):
             self.conn = None
 
 
+def _grpc_needs_a_store(session: ProbeSession) -> ChunkTransport:
+    # Placeholder until pdx.link.kv_transport.kv_chunk_transport() names a KV store.
+    raise InputError("--kv-target", None, "HOST:PORT of a KV store for --chunk-transport grpc")
+
+
 def _register_builtins() -> None:
     _TRANSPORTS.setdefault("tcp", TcpChunkTransport)
+    _TRANSPORTS.setdefault("grpc", _grpc_needs_a_store)
 
 
 @dataclass
@@ -154,6 +181,8 @@ class ChunkResult:
     p99_ms: float
     max_ms: float
     count: int
+    transport: str = "tcp"
+    transport_detail: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -215,6 +244,8 @@ def measure_chunk_size(
         p99_ms=summary.p99,
         max_ms=summary.max,
         count=len(times_s),
+        transport=transport.name,
+        transport_detail=transport.details(),
     )
 
 
