@@ -14,6 +14,7 @@ from pdx.accept.target import DeployProcess, wait_ready
 from pdx.errors import InputError, MeasurementError
 
 if TYPE_CHECKING:
+    from pdx.accept.netns_target import Topology
     from pdx.accept.run import AcceptRun
 
 
@@ -57,19 +58,27 @@ async def _endpoints(out_path: Path, proc: Any, timeout_s: float) -> dict[str, A
     raise MeasurementError(f"pdx deploy not ready after {timeout_s:g} s; see {out_path.parent}")
 
 
-async def start_deploy(run: AcceptRun, target: Target, *, needs_proxy: bool) -> StartedDeploy:
+async def start_deploy(
+    run: AcceptRun, target: Target, *, needs_proxy: bool, topology: Topology | None = None
+) -> StartedDeploy:
     """Start ``pdx deploy`` (ephemeral gateway port), read its endpoints, wait for readiness.
 
     With network conditions to apply, ``kv.via_proxy=true`` makes the deploy put a fault proxy
-    on every prefill's KV endpoint; pdx drives it through the proxy's control API.
+    on every prefill's KV endpoint; pdx drives it through the proxy's control API. With a
+    namespace ``topology`` the deploy runs in the decode site and prefill in the prefill site.
     """
     from pdx.faults.client import ControlClient
 
     args = [*deploy_args(target, run.playbook_dir, 0), "--json"]
     if needs_proxy:
         args += ["--set", "kv.via_proxy=true"]
+    prefix: list[str] = []
+    if topology is not None:
+        for item in topology.deploy_overrides():
+            args += ["--set", item]
+        prefix = topology.command_prefix()
     out_path = run.raw_dir / "deploy-endpoints.json"
-    proc = DeployProcess(args, run.raw_dir / "deploy.log", stdout_path=out_path)
+    proc = DeployProcess(args, run.raw_dir / "deploy.log", stdout_path=out_path, prefix=prefix)
     run.deploy = proc
     popen = await proc.start()
     endpoints = await _endpoints(out_path, popen, target.ready_timeout_s)
@@ -87,5 +96,15 @@ async def start_deploy(run: AcceptRun, target: Target, *, needs_proxy: bool) -> 
         "deploy_args": args,
         "model": endpoints.get("model", {}),
         "kv_proxies": proxies,
+        "kv_store": _kv_store(endpoints),
     }
+    if topology is not None:
+        info["netns"] = {"prefill": topology.prefill_ns, "decode": topology.decode_ns,
+                         "router": topology.cfg.router}  # fmt: skip
     return StartedDeploy(proc, url, client, info)
+
+
+def _kv_store(endpoints: dict[str, Any]) -> str | None:
+    """``host:port`` of the first prefill's KV store (where the KV link ends)."""
+    prefill = endpoints.get("prefill") or []
+    return str(prefill[0].get("kv_endpoint")) if prefill and prefill[0].get("kv_endpoint") else None

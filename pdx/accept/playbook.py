@@ -39,6 +39,7 @@ class Target(BaseModel):
         default="", description="'model' field sent with each request (empty = omitted)"
     )
     extra_body: dict[str, Any] = Field(default_factory=dict, description="merged into each body")
+    netns: NetnsTarget = Field(default_factory=lambda: NetnsTarget())
 
     @model_validator(mode="after")
     def _one_target(self) -> Target:
@@ -46,7 +47,27 @@ class Target(BaseModel):
             raise ValueError("set exactly one of target.url or target.deploy")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"target.url must start with http:// or https:// (got {self.url!r})")
+        if self.netns.enabled and self.url is not None:
+            raise ValueError("target.netns needs target.deploy (pdx places the pair itself)")
         return self
+
+
+class NetnsTarget(BaseModel):
+    """Deploy into a two-site namespace topology (``pdx faults netns``; root only).
+
+    Prefill runs in ``<prefix>-prefill``, decode and the gateway in ``<prefix>-decode``; every
+    KV byte crosses ``<prefix>-router``, where each step's ``bandwidth_mbps`` becomes a ``tbf``
+    rate cap and ``loss`` an nft random drop. A host link ``10.77.3.0/30`` joins this
+    namespace to the decode site so the load generator reaches the gateway.
+    """
+
+    model_config = _Strict
+    enabled: bool = False
+    prefix: str = Field(default="pdxacc", pattern=r"^[a-z][a-z0-9]{0,11}$")
+    rate_mbit: PositiveFloat = Field(
+        default=10_000.0, description="router rate when a step sets no bandwidth_mbps"
+    )
+    mtu: Annotated[int, Field(ge=576, le=9000)] = 1500
 
 
 class Matrix(BaseModel):
@@ -172,6 +193,13 @@ class Preflight(BaseModel):
         default=None, description="measure-kv preset; default: the deployed model's name"
     )
     link_gbps: PositiveFloat = Field(default=100.0, description="link speed for the KV budget")
+    probe_link: bool = Field(
+        default=False, description="run `pdx probe-link` over the KV link (needs target.deploy)"
+    )
+    probe_duration_s: Annotated[float, Field(ge=0.2, le=60, allow_inf_nan=False)] = 1.0
+    probe_streams: Annotated[int, Field(ge=1, le=16)] = 2
+    probe_chunk_sizes: str = Field(default="256KiB,1MiB,4MiB", description="chunk sweep sizes")
+    probe_chunk_seconds: Annotated[float, Field(ge=0.1, le=10, allow_inf_nan=False)] = 0.5
 
 
 class Playbook(BaseModel):
@@ -199,6 +227,17 @@ class Playbook(BaseModel):
             )
         if any(self.conditions[n].is_fault for n in self.matrix.network) and self.target.url:
             raise ValueError("network faults need target.deploy (pdx must own the KV link)")
+        if self.preflight.probe_link and self.target.url:
+            raise ValueError("preflight.probe_link needs target.deploy (pdx must own the KV link)")
+        if self.target.netns.enabled:
+            for name in self.matrix.network:
+                c = self.conditions[name]
+                if c.delay_ms or c.jitter_ms or c.link_down_at_s is not None:
+                    raise ValueError(
+                        f"conditions.{name}: with target.netns only bandwidth_mbps and loss "
+                        "are applied (in the kernel: tbf, nft); delay/jitter/link_down need "
+                        "the proxy (target.netns.enabled=false)"
+                    )
         for name in self.matrix.network:
             c = self.conditions[name]
             if c.link_down_at_s is not None and c.link_down_at_s >= self.matrix.duration_s:

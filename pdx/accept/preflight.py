@@ -1,50 +1,88 @@
-"""Pre-flight measurements included in the report: ``pdx measure-kv`` on the model under test."""
+"""Pre-flight measurements included in the report: measure-kv on the deployed model.
+
+The model is the one the deploy really serves (its deploy config: backend, preset or
+checkpoint), sized with the ``pdx.kv`` library; a ``preflight.model_preset`` overrides it.
+"""
 
 from __future__ import annotations
 
-import asyncio
-import json
-import sys
+from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from pdx.accept.playbook import Playbook
+from pdx.errors import PdxError
 
 
-async def measure_kv(pb: Playbook, model_name: str | None, qps: float) -> dict[str, Any]:
-    """Analytic KV bytes per token / per request and link demand, from ``pdx measure-kv --json``.
+def deployed_model(pb: Playbook, playbook_dir: Path) -> tuple[Any, str, str]:
+    """(``ModelSource``, KV dtype, how it was found) for the model the deploy serves.
 
-    Runs the command as a subprocess (the same numbers a user gets by hand); a failure is
-    reported in the result, never raised: pre-flight informs the reviewer, it does not judge.
+    Tiny transformers presets are built from the backend's own config dict; synthetic models
+    use the measure-kv preset they are named after; checkpoints their ``config.json``.
     """
-    preset = pb.preflight.model_preset or model_name
-    if not preset:
-        return {"measure_kv": None, "note": "no model known: set preflight.model_preset"}
-    seqs = ",".join(str(n) for n in sorted(set(pb.matrix.input_tokens)))
-    args = [
-        "measure-kv",
-        "--preset",
-        preset,
-        "--seq",
-        seqs,
-        "--codecs",
-        "none",
-        "--json",
-        "--qps",
-        f"{max(qps, 0.001):g}",
-        "--link-gbps",
-        f"{pb.preflight.link_gbps:g}",
-    ]
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-c",
-        "from pdx.cli.main import main; main()",
-        *args,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    out, err = await asyncio.wait_for(proc.communicate(), 120)
-    if proc.returncode != 0:
-        return {"command": ["pdx", *args], "error": err.decode(errors="replace").strip()[-500:]}
-    result = json.loads(out)
-    result.pop("layers", None)  # per-layer detail: available from the command itself
-    return {"command": ["pdx", *args], "result": result}
+    from pdx.kv.source import ModelSource, load_model_dir, load_preset
+
+    if pb.preflight.model_preset:
+        return load_preset(pb.preflight.model_preset), "bf16", "preflight.model_preset"
+    cfg = deploy_config(pb, playbook_dir)
+    model = cfg.model
+    if model.checkpoint:
+        # The CPU backend loads checkpoints in fp32 (bf16 on CUDA); KV travels in that dtype.
+        return load_model_dir(Path(model.checkpoint)), "fp32", "deploy model.checkpoint"
+    if model.backend == "transformers":
+        from pdx.serving.backends.transformers_backend import TINY_PRESETS
+
+        if model.preset in TINY_PRESETS:
+            config = {"model_type": "llama", **TINY_PRESETS[model.preset]}
+            source = ModelSource(name=model.preset, config=config)
+            return source, "fp32", "deploy model.preset (tiny transformers config)"
+    if model.preset == "tiny-llama":  # synthetic twin of the tiny preset: same layout, fp32
+        from pdx.serving.backends.transformers_backend import TINY_PRESETS
+
+        config = {"model_type": "llama", **TINY_PRESETS["tiny-llama"]}
+        return ModelSource(name="tiny-llama", config=config), "fp32", "deploy synthetic tiny-llama"
+    return load_preset(model.preset), "bf16", "deploy model.preset (measure-kv preset)"
+
+
+def deploy_config(pb: Playbook, playbook_dir: Path) -> Any:
+    """The deploy config the run starts (embedded default or YAML, with ``deploy_set``)."""
+    from pdx.serving.deploy_config import load_deploy_config
+
+    target = pb.target.deploy
+    path = None
+    if target not in (None, "default"):
+        path = Path(str(target))
+        path = path if path.is_absolute() else playbook_dir / path
+    return load_deploy_config(path, dotted=list(pb.target.deploy_set))
+
+
+def measure_kv(pb: Playbook, playbook_dir: Path, qps: float) -> dict[str, Any]:
+    """KV bytes per token / per request at the playbook's input lengths, and the link budget.
+
+    A failure is reported in the result, never raised: pre-flight informs the reviewer, it
+    does not judge.
+    """
+    from pdx.kv.budget import LinkParams
+    from pdx.kv.report import MeasureOptions
+    from pdx.kv.report import measure_kv as run_measure
+
+    try:
+        source, dtype, how = deployed_model(pb, playbook_dir)
+        seqs = tuple(sorted(set(pb.matrix.input_tokens)))
+        link = LinkParams(
+            qps=max(qps, 0.001), link_gbps=pb.preflight.link_gbps, prefill_tflops=400.0
+        )
+        result = asdict(run_measure(source, MeasureOptions(dtype=dtype, seqs=seqs, link=link)))
+    except PdxError as exc:
+        return {"error": str(exc)}
+    result.pop("layers", None)  # per-layer detail: `pdx measure-kv` prints it
+    return {"model": source.name, "dtype": dtype, "model_from": how, "result": result}
+
+
+def kv_bytes_per_request(measured: dict[str, Any] | None) -> tuple[int, int] | None:
+    """(input tokens, KV bytes) of the largest request row of a pre-flight measure-kv."""
+    rows = ((measured or {}).get("result") or {}).get("requests") or []
+    if not rows:
+        return None
+    top = max(rows, key=lambda r: int(r.get("kv_bytes", 0)))
+    return int(top["seq"]), int(top["kv_bytes"])

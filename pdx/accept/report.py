@@ -40,6 +40,10 @@ class StepReport(BaseModel):
     metrics_delta: dict[str, float] = Field(description="target /metrics after − before (pdx_*)")
     proxy: dict[str, Any] | None = Field(None, description="fault proxy counters for this step")
     fault_events: list[dict[str, Any]] = Field(default_factory=list)
+    kernel: dict[str, Any] | None = Field(
+        default=None,
+        description="netns router: condition set (tbf, nft) and its counters this step",
+    )
     timeline: list[dict[str, Any]] = Field(default_factory=list)
     recovery_s: float | None = None
     resources: list[dict[str, Any]] = Field(default_factory=list)
@@ -215,6 +219,8 @@ def _gateway_counts(mdelta: dict[str, float]) -> str:
 def _fault_lines(report: Report) -> list[str]:
     lines = []
     for s in report.steps:
+        if s.kernel:
+            lines += _kernel_lines(s)
         if not s.proxy and not s.fault_events:
             continue
         p = s.proxy or {}
@@ -236,6 +242,21 @@ def _fault_lines(report: Report) -> list[str]:
         for ev in s.fault_events:
             lines.append(f"  - t={ev.get('t_s', 0):.2f} s: {ev.get('event')}")
     return lines
+
+
+def _kernel_lines(s: StepReport) -> list[str]:
+    k = s.kernel or {}
+    c = k.get("router_counters") or {}
+    loss = f"{k.get('loss', 0):g}"
+    return [
+        f"- **{s.id}** ({s.network}): kernel condition on the router namespace: tbf rate "
+        f"{k.get('rate_mbit', 0):g} Mbit/s, nft random loss {loss}; during the step tbf sent "
+        f"{c.get('tbf_bytes', 0)} B in {c.get('tbf_packets', 0)} packets, dropped "
+        f"{c.get('tbf_dropped', 0)}, overlimits {c.get('tbf_overlimits', 0)}; nft dropped "
+        f"{c.get('loss_dropped_packets', 0)} packets; service: {s.summary.get('retries', 0)} "
+        f"retries, {s.summary.get('degraded', 0)} degraded, {s.summary.get('failed', 0)} failed",
+        *(f"  - `{dev}`: {text}" for dev, text in (k.get("qdiscs") or {}).items()),
+    ]
 
 
 def render_markdown(report: Report) -> str:
@@ -264,11 +285,70 @@ def render_markdown(report: Report) -> str:
     if faults:
         parts.append("## Faults and how the service reacted\n" + "\n".join(faults))
     if report.preflight:
-        parts.append("## Pre-flight\n```json\n" + json.dumps(report.preflight, indent=2) + "\n```")
+        lines = preflight_lines(report.preflight)
+        parts.append("## Pre-flight\n" + "\n".join(lines))
+        parts.append(
+            "Pre-flight data:\n```json\n" + json.dumps(report.preflight, indent=2) + "\n```"
+        )
     if report.plots:
         parts.append("## Plots\n" + "\n".join(f"![{p}]({p})" for p in report.plots))
     parts.append("## Formulas\n" + "\n".join(f"- `{k}` = {v}" for k, v in report.formulas.items()))
     return "\n\n".join(parts) + "\n"
+
+
+def _num(value: Any, fmt: str = ".3f") -> str:
+    return "–" if value is None else format(value, fmt)
+
+
+def preflight_lines(pre: dict[str, Any]) -> list[str]:
+    """Pre-flight in a few lines: KV size of the deployed model and the probed link."""
+    lines: list[str] = []
+    kv = pre.get("measure_kv") or {}
+    if kv.get("error"):
+        lines.append(f"- measure-kv: could not run ({kv['error']})")
+    elif kv.get("result"):
+        r = kv["result"]
+        rows = ", ".join(f"{q['seq']} tokens → {q['kv_bytes']:,} B" for q in r["requests"])
+        lines.append(
+            f"- **measure-kv** ({kv['model']}, {kv['dtype']}, from {kv['model_from']}): "
+            f"{r['kv_bytes_per_token']:,} B of KV per token; per request {rows}"
+        )
+    probe = pre.get("probe_link") or {}
+    if probe.get("error"):
+        lines.append(f"- probe-link: could not run ({probe['error']})")
+    if probe.get("summary"):
+        lines += _probe_lines(probe, probe["summary"])
+    return lines
+
+
+def _probe_lines(probe: dict[str, Any], s: dict[str, Any]) -> list[str]:
+    where = str(probe.get("server", "?"))
+    if probe.get("server_netns"):
+        where += f" (in {probe['server_netns']})"
+    ci = _num(s["goodput_ci95_pct"], ".1f")
+    lines = [
+        f"- **probe-link** to a probe server at the KV store, {where}, baseline "
+        f"(before any step's condition): goodput store→decode {_num(s['down_gbps'])} Gbps, "
+        f"decode→store {_num(s['up_gbps'])} Gbps (95 % CI ±{ci} %), "
+        f"RTT p50 {_num(s['rtt_p50_ms'])} ms p99 {_num(s['rtt_p99_ms'])} ms, "
+        f"loss up {_num(s['loss_up_pct'])} % down {_num(s['loss_down_pct'])} %"
+    ]
+    chunks = [
+        f"{c['chunk_bytes'] // 1024} KiB: {_num(c['gbps'])} Gbps, p99 {_num(c['p99_ms'], '.2f')} ms"
+        for c in s["chunks"]
+    ]
+    if chunks:
+        best = s["chunk_recommended_bytes"]
+        lines.append(f"- chunk sweep: {'; '.join(chunks)}; recommended {best} B")
+    rules = [
+        f"{r['name']} {r['status']} ({_num(r['measured'])} vs {_num(r['threshold'])} {r['unit']})"
+        for r in s["rules"]
+    ]
+    demand = _num(s["kv_demand_gbps"], ".6f")
+    lines.append(
+        f"- link verdict **{s['verdict']}** for KV demand {demand} Gbps: {', '.join(rules)}"
+    )
+    return lines
 
 
 def _css_class(cell: str) -> str:
@@ -323,6 +403,10 @@ def render_html(report: Report, images: dict[str, str]) -> str:
     if faults:
         items = "".join(f"<li>{esc(f.lstrip('- ').replace('**', ''))}</li>" for f in faults)
         parts.append(f"<h2>Faults and how the service reacted</h2><ul>{items}</ul>")
+    if report.preflight:
+        items = "".join(f"<li>{esc(line.lstrip('- ').replace('**', ''))}</li>"
+                        for line in preflight_lines(report.preflight))  # fmt: skip
+        parts.append(f'<h2>Pre-flight</h2><ul id="preflight">{items}</ul>')
     for name in report.plots:
         if name in images:
             parts.append(f'<h3>{esc(name)}</h3><img alt="{esc(name)}" src="{images[name]}">')

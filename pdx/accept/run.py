@@ -22,6 +22,7 @@ from pdx.accept import criteria as judge
 from pdx.accept.link import ProxyLink, counters_delta
 from pdx.accept.loadgen import LocustRun, read_locust_stats, resolve_locustfile, step_args
 from pdx.accept.metrics import Snapshot, delta, scrape
+from pdx.accept.netns_target import Topology
 from pdx.accept.playbook import Playbook, Step, expand_steps, playbook_dict, step_criteria
 from pdx.accept.report import Report, StepReport, write_report
 from pdx.accept.resources import TreeSampler
@@ -82,6 +83,7 @@ class AcceptRun:
         self.sampler: TreeSampler | None = None
         self.target_info: dict[str, Any] = {}
         self.preflight: dict[str, Any] | None = None
+        self.topology: Topology | None = None
 
     @property
     def total_s(self) -> float:
@@ -95,12 +97,7 @@ class AcceptRun:
         complete = False
         try:
             await self._start_target()
-            if self.pb.preflight.measure_kv:
-                from pdx.accept.preflight import measure_kv
-
-                model = (self.target_info.get("model") or {}).get("model")
-                qps = max((s.rate_rps or 0.0) for s in self.steps) or 1.0
-                self.preflight = {"measure_kv": await measure_kv(self.pb, model, qps)}
+            await self._preflight()
             if self.pb.load.warmup_requests and self.steps:
                 from pdx.accept.warmup import warm_up
 
@@ -132,14 +129,73 @@ class AcceptRun:
             return
         from pdx.accept.deploy_target import start_deploy
 
-        started = await start_deploy(self, t, needs_proxy=self._needs_proxy())
+        topology = await self._start_topology() if t.netns.enabled else None
+        started = await start_deploy(self, t, needs_proxy=self._needs_proxy(), topology=topology)
         self.deploy, self.url = started.process, started.url
         self.link = ProxyLink(started.proxy) if started.proxy is not None else None
         self.sampler = TreeSampler(self.deploy.pid) if self.deploy.pid else None
         self.target_info = started.info
 
     def _needs_proxy(self) -> bool:
+        if self.pb.target.netns.enabled:
+            return False  # conditions go to the router namespace's kernel shaping
         return any(self.pb.conditions[s.network].is_fault for s in self.steps)
+
+    async def _start_topology(self) -> Topology:
+        from pdx.accept.netns_target import check_available
+
+        check_available()
+        self.topology = Topology(self.pb.target.netns)
+        await self.topology.up()
+        return self.topology
+
+    # --- pre-flight --------------------------------------------------------------------------
+
+    async def _preflight(self) -> None:
+        pf = self.pb.preflight
+        if not (pf.measure_kv or pf.probe_link):
+            return
+        from pdx.accept.preflight import measure_kv
+
+        self.preflight = {}
+        # measure-kv sizes requests even when only the probe was asked for: it gives the demand
+        kv = await asyncio.to_thread(measure_kv, self.pb, self.playbook_dir, self._planned_rps())
+        if pf.measure_kv:
+            self.preflight["measure_kv"] = kv
+        if pf.probe_link:
+            from pdx.accept.probe import run_probe
+
+            host = self.topology.prefill_addr if self.topology else self._kv_host()
+            ns = (self.topology.prefill_ns, self.topology.decode_ns) if self.topology else None
+            self.preflight["probe_link"] = await run_probe(self.pb, host, ns)
+            self.preflight["_kv"] = kv  # for the demand at the achieved load; dropped at write
+
+    def _planned_rps(self) -> float:
+        return max((s.rate_rps or 0.0) for s in self.steps) or 1.0
+
+    def _kv_host(self) -> str:
+        store = str(self.target_info.get("kv_store") or "127.0.0.1:0")
+        return store.rsplit(":", 1)[0].strip("[]")
+
+    def _judge_link(self) -> None:
+        """The probe's verdict against the KV demand at the highest load the run reached."""
+        from pdx.accept.preflight import kv_bytes_per_request
+        from pdx.accept.probe import judge_demand, summary
+
+        probe = (self.preflight or {}).get("probe_link")
+        kv = (self.preflight or {}).pop("_kv", None)
+        if probe is None:
+            return
+        rps: float | None
+        if self.steps and self.steps[0].rate_rps is not None:
+            rps, how = self._planned_rps(), "highest matrix.rate_rps"
+        else:
+            achieved = [o.report.summary.get("achieved_rps") or 0.0 for o in self.outcomes]
+            rps, how = (max(achieved), "highest achieved req/s of any step") if achieved else (
+                None, "no step finished")  # fmt: skip
+        budget = self.pb.criteria.ttft_p99_ms or self.pb.criteria.ttft_p50_ms
+        judge_demand(probe, kv_bytes_per_request(kv), rps, how, budget)
+        probe["summary"] = summary(probe)
 
     async def _stop_all(self) -> None:
         if self.locust is not None:
@@ -151,6 +207,9 @@ class AcceptRun:
         if self.deploy is not None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(self.deploy.stop())
+        if self.topology is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(self.topology.down())
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -160,6 +219,8 @@ class AcceptRun:
         cond = self.pb.conditions[step.network]
         metrics_url = self.url + self.pb.target.metrics_path
         before = await scrape(metrics_url)
+        kernel = await self.topology.apply(cond) if self.topology else None
+        router_before = await self.topology.counters() if self.topology else None
         proxy_before = await self.link.stats() if self.link else None
         t0 = time.time()
         if self.link is not None:
@@ -178,9 +239,15 @@ class AcceptRun:
             await self.link.clear()
         after = await scrape(metrics_url)
         proxy_after = await self.link.stats() if self.link else None
-        return self._finish_step(
+        if self.topology is not None and kernel is not None and router_before is not None:
+            from pdx.accept.netns_target import counters_delta as router_delta
+
+            kernel["router_counters"] = router_delta(router_before, await self.topology.counters())
+        outcome = self._finish_step(
             step, step_dir, t0, rc, (before, after), (proxy_before, proxy_after), resources
         )
+        outcome.report.kernel = kernel
+        return outcome
 
     async def _watch(self, step: Step, run: asyncio.Task[int], t0: float) -> list[dict[str, Any]]:
         samples: list[dict[str, Any]] = []
@@ -261,6 +328,10 @@ class AcceptRun:
     def _write(self, complete: bool) -> Report:
         from pdx.accept.plots import make_plots
 
+        try:
+            self._judge_link()
+        except Exception as exc:  # the link figures must never cost the reviewer the report
+            self.problems.append(f"link verdict failed: {type(exc).__name__}: {exc}")
         criteria = [c for o in self.outcomes for c in o.criteria]
         validity = [o.validity for o in self.outcomes]
         valid = complete and bool(validity) and all(v.valid for v in validity)

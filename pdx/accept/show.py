@@ -12,6 +12,7 @@ from pdx.accept.report import (
     Report,
     _headline,
     criteria_rows,
+    preflight_lines,
 )
 
 
@@ -79,6 +80,10 @@ def render_report(console: Console, report: Report) -> None:
         console.print(f"{brief} = {full}")
     for r in report.recommendations:
         console.print(f"- {r}")
+    if report.preflight:
+        console.print("pre-flight:")
+        for line in preflight_lines(report.preflight):
+            console.print(line.replace("**", ""), markup=False, highlight=False)
 
 
 def _short_step(step_id: str) -> str:

@@ -56,18 +56,30 @@ async def check_reachable(url: str, timeout_s: float) -> None:
 class DeployProcess:
     """``pdx deploy`` as a child process in its own process group, stopped by handle."""
 
-    def __init__(self, args: list[str], log_path: Path, stdout_path: Path | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        log_path: Path,
+        stdout_path: Path | None = None,
+        prefix: list[str] | None = None,
+    ) -> None:
         self.args = args
+        self.prefix = prefix or []
         self.log_path = log_path
         self.stdout_path = stdout_path
         self.proc: asyncio.subprocess.Process | None = None
 
     async def start(self) -> asyncio.subprocess.Process:
-        """Spawn ``python -m pdx.cli.main deploy ARGS`` with output to the log file."""
+        """Spawn ``[PREFIX] python -m pdx.cli.main deploy ARGS`` with output to the log file.
+
+        ``PREFIX`` is ``ip netns exec NS`` for a namespace deploy (``ip`` execs in place, so
+        the process is still the deploy itself).
+        """
         log = self.log_path.open("ab")
         out = self.stdout_path.open("wb") if self.stdout_path else log
         try:
             self.proc = await asyncio.create_subprocess_exec(
+                *self.prefix,
                 sys.executable,
                 "-c",
                 "from pdx.cli.main import main; main()",

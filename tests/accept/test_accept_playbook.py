@@ -17,7 +17,9 @@ from pdx.faults.toxics import parse_toxic
 PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
 
 
-@pytest.mark.parametrize("name", ["smoke", "cross-dc-reference", "external-endpoint"])
+@pytest.mark.parametrize(
+    "name", ["smoke", "cross-dc-reference", "external-endpoint", "netns-smoke"]
+)
 def test_shipped_playbooks_validate(name: str) -> None:
     pb = load_playbook(PLAYBOOKS / f"{name}.yaml")
     assert pb.name == name and expand_steps(pb)

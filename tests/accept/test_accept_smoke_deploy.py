@@ -46,6 +46,27 @@ def test_smoke_go_with_fault_step(tmp_path: Path) -> None:
     assert any(s.startswith("fault-") for s in data["plots"])
     md = next(tmp_path.glob("*/report.md")).read_text()
     assert "Faults and how the service reacted" in md and "link-down events 1" in md
+    _check_preflight(data, md)
+
+
+def _check_preflight(data: dict, md: str) -> None:
+    """measure-kv sized the deployed tiny model; probe-link measured the KV store's host."""
+    kv = data["preflight"]["measure_kv"]
+    assert (kv["model"], kv["dtype"]) == ("tiny-llama", "fp32")
+    assert kv["result"]["requests"] == [
+        {"seq": 48, "kv_bytes": 48 * 512, "growing_bytes": 48 * 512, "sliding_bytes": 0,
+         "state_bytes": 0}
+    ]  # fmt: skip
+    probe = data["preflight"]["probe_link"]
+    store_host = data["target"]["kv_store"].rsplit(":", 1)[0]
+    assert probe["server"].rsplit(":", 1)[0] == store_host
+    s = probe["summary"]
+    assert s["down_gbps"] > 0 and s["rtt_p50_ms"] is not None and s["chunks"]
+    demand = probe["report"]["kv_demand"]
+    rps = max(step["summary"]["achieved_rps"] for step in data["steps"])
+    assert demand["rps"] == rps and demand["gbps"] == pytest.approx(48 * 512 * rps * 8 / 1e9)
+    assert s["verdict"] == "GO"  # a few hundred kbit/s of KV on loopback
+    assert "**probe-link** to a probe server at the KV store" in md
 
 
 def test_smoke_no_go_on_impossible_ttft(tmp_path: Path) -> None:
@@ -66,6 +87,8 @@ def test_smoke_no_go_on_impossible_ttft(tmp_path: Path) -> None:
         "validity.min_duration_s=4",
         "--set",
         "validity.min_requests=5",
+        "--set",
+        "preflight.probe_link=false",
     ]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 1, result.output

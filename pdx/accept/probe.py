@@ -1,0 +1,204 @@
+"""Pre-flight ``probe-link`` over the deploy's KV link, judged against the KV demand.
+
+A probe server is placed at the KV store's end of the link (on the prefill host, or inside the
+prefill namespace) and ``pdx probe-link --json`` runs from decode's end (inside the decode
+namespace when the run uses one), so the probe crosses the same hops as the KV bytes. It runs
+before any step's condition is applied: it is the baseline link. KV flows from the store to
+decode, i.e. server → client, so the bandwidth rule uses the ``down`` direction.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import re
+import secrets
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import asdict
+from typing import Any
+
+from pdx.accept.playbook import Playbook
+from pdx.errors import MeasurementError
+
+_PDX = [sys.executable, "-c", "from pdx.cli.main import main; main()"]
+_LISTENING = re.compile(r"listening on (\S+) tcp (\d+) udp (\d+)")
+
+
+def probe_args(pb: Playbook, target: str) -> list[str]:
+    """``pdx probe-link`` arguments sized for a pre-flight (one round per throughput test).
+
+    The shared secret travels in ``PDX_PROBE_SECRET`` (see :func:`_env`), not on the command line.
+    """
+    p = pb.preflight
+    one_round_s = p.probe_duration_s + 0.5
+    return [
+        "probe-link",
+        target,
+        "--json",
+        "--duration",
+        f"{p.probe_duration_s:g}",
+        "--streams",
+        str(p.probe_streams),
+        "--max-duration",
+        f"{one_round_s:g}",
+        "--chunk-sizes",
+        p.probe_chunk_sizes,
+        "--chunk-seconds",
+        f"{p.probe_chunk_seconds:g}",
+    ]
+
+
+@contextlib.asynccontextmanager
+async def probe_server(host: str, secret: str, netns: str | None) -> AsyncIterator[str]:
+    """A probe server bound on ``host`` (in ``netns`` when given); yields ``host:port``."""
+    if netns is None:
+        from pdx.link.server import ProbeServer, ServerThread
+
+        thread = ServerThread(ProbeServer(host, 0, secret=secret.encode()))
+        await asyncio.to_thread(thread.start)
+        try:
+            yield f"{host}:{thread.server.tcp_port}"
+        finally:
+            await asyncio.to_thread(thread.stop)
+        return
+    argv = ["ip", "netns", "exec", netns, *_PDX, "probe-server", "--bind", host, "--port", "0"]
+    proc = await asyncio.create_subprocess_exec(
+        *argv, env=_env(secret), stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    try:
+        yield f"{host}:{await _listening_port(proc)}"
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 10)
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+def _env(secret: str) -> dict[str, str]:
+    """This process's environment plus the per-run probe secret (``ip netns exec`` keeps it)."""
+    return {**os.environ, "PDX_PROBE_SECRET": secret}
+
+
+async def _listening_port(proc: asyncio.subprocess.Process) -> int:
+    assert proc.stdout is not None and proc.stderr is not None
+    try:
+        line = await asyncio.wait_for(proc.stdout.readline(), 30)
+    except TimeoutError:
+        line = b""
+    found = _LISTENING.search(line.decode(errors="replace"))
+    if found is None:
+        err = (await proc.stderr.read(2000)).decode(errors="replace").strip() if line == b"" else ""
+        raise MeasurementError(f"probe server did not start: {err or line!r}")
+    return int(found.group(2))
+
+
+async def run_probe(pb: Playbook, host: str, netns: tuple[str, str] | None) -> dict[str, Any]:
+    """Probe the link from decode's end to a server at the KV store (``host``).
+
+    ``netns`` = (prefill namespace, decode namespace) when the deploy runs in them.
+    Returns ``{"command", "server", "report"}`` or ``{"error"}``; never raises a
+    measurement failure (pre-flight informs, it does not judge the run).
+    """
+    secret = secrets.token_hex(16)
+    try:
+        async with probe_server(host, secret, netns[0] if netns else None) as where:
+            args = probe_args(pb, where)
+            prefix = ["ip", "netns", "exec", netns[1]] if netns else []
+            proc = await asyncio.create_subprocess_exec(
+                *prefix,
+                *_PDX,
+                *args,
+                env=_env(secret),
+                stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.PIPE,
+            )
+            try:
+                out, err = await asyncio.wait_for(proc.communicate(), 120)
+            finally:
+                if proc.returncode is None:  # cancelled (Ctrl-C) or timed out: stop it now
+                    proc.kill()
+                    await proc.wait()
+    except (MeasurementError, OSError, TimeoutError) as exc:
+        return {"error": f"probe-link could not run: {exc}"}
+    shown = ["pdx", *args]
+    if netns:
+        shown = ["ip", "netns", "exec", netns[1], *shown]
+    if proc.returncode not in (0, 1):  # 1 = the probe's own NO-GO; the report is still there
+        return {"command": shown, "error": err.decode(errors="replace").strip()[-500:]}
+    return {
+        "command": shown,
+        "server": where,
+        "server_netns": netns[0] if netns else None,
+        "report": _trim(json.loads(out)),
+    }
+
+
+def _trim(report: dict[str, Any]) -> dict[str, Any]:
+    """Drop per-interval samples (kept by ``probe-link --json`` itself)."""
+    for run in (report.get("throughput") or {}).get("runs", []):
+        run.pop("intervals_gbps", None)
+    return report
+
+
+def judge_demand(
+    probe: dict[str, Any], kv: tuple[int, int] | None, rps: float | None, rps_source: str,
+    ttft_budget_ms: float | None,
+) -> dict[str, Any]:  # fmt: skip
+    """Re-judge a probe report with the KV demand at the playbook's load.
+
+    demand Gbps = KV bytes of the largest request × req/s × 8 / 1e9.
+    """
+    from pdx.link.verdict import VerdictRules, judge
+
+    report = probe.get("report")
+    if report is None:
+        return probe
+    gbps = kv[1] * rps * 8 / 1e9 if kv is not None and rps else None
+    rules = VerdictRules(kv_gbps=gbps, ttft_budget_ms=ttft_budget_ms, kv_direction="down")
+    report["kv_demand"] = {
+        "gbps": gbps,
+        "source": "pre-flight measure-kv × load",
+        "input_tokens": kv[0] if kv else None,
+        "kv_bytes_per_request": kv[1] if kv else None,
+        "rps": rps,
+        "rps_source": rps_source,
+    }
+    report["verdict"] = asdict(judge(report, rules))
+    return probe
+
+
+def summary(probe: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The figures a reviewer reads first (also what ``report.md`` shows)."""
+    report = (probe or {}).get("report")
+    if not report:
+        return None
+    rtt = report.get("rtt_ms") or {}
+    tp = report.get("throughput") or {}
+    loss = report.get("loss") or {}
+    verdict = report.get("verdict") or {}
+    return {
+        "down_gbps": tp.get("down_gbps"),
+        "up_gbps": tp.get("up_gbps"),
+        "goodput_ci95_pct": tp.get("ci95_pct"),
+        "rtt_p50_ms": rtt.get("p50"),
+        "rtt_p99_ms": rtt.get("p99"),
+        "loss_up_pct": loss.get("up"),
+        "loss_down_pct": loss.get("down"),
+        "chunks": [
+            {k: c.get(k) for k in ("chunk_bytes", "gbps", "p50_ms", "p99_ms")}
+            for c in report.get("chunks") or []
+        ],
+        "chunk_recommended_bytes": report.get("chunk_recommended_bytes"),
+        "kv_demand_gbps": (report.get("kv_demand") or {}).get("gbps"),
+        "verdict": "GO" if verdict.get("go") else "NO-GO" if verdict else None,
+        "rules": [
+            {k: r.get(k) for k in ("name", "status", "measured", "threshold", "unit")}
+            for r in verdict.get("rules", [])
+        ],
+    }
