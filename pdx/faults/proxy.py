@@ -9,6 +9,7 @@ from collections.abc import Callable, Iterable
 from types import TracebackType
 from typing import Any, Literal
 
+from pdx import netaddr
 from pdx.errors import InputError, MeasurementError
 from pdx.faults import toxics as tx
 from pdx.faults.metrics import ProxyMetrics
@@ -301,15 +302,5 @@ class FaultProxy:
 
 
 def parse_hostport(text: str, field: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[v6]:PORT`` for IPv6) → (host, port), with a clear error."""
-    host, sep, port_text = text.rpartition(":")
-    host = host.strip("[]")
-    if host == "localhost":
-        host = "127.0.0.1"
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
-        raise InputError(field, text, "HOST:PORT with a port 0-65535")
-    try:
-        socket.getaddrinfo(host, None, type=socket.SOCK_STREAM, flags=socket.AI_NUMERICHOST)
-    except socket.gaierror:
-        raise InputError(field, text, "a numeric IP address such as 127.0.0.1") from None
-    return host, int(port_text)
+    """``HOST:PORT`` (``[v6]:PORT`` for IPv6, port 0 = any free port) → (host, port)."""
+    return netaddr.parse_hostport(text, field, allow_port_zero=True, numeric_host=True)

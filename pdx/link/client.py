@@ -13,17 +13,14 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdx.errors import InputError, MeasurementError
+from pdx.errors import MeasurementError
 from pdx.link import protocol as proto
+from pdx.netaddr import parse_hostport
 
 
 def parse_target(target: str) -> tuple[str, int]:
     """``HOST:PORT`` or ``[V6]:PORT`` into (host, port)."""
-    host, sep, port_text = target.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
-        raise InputError("target", target, "HOST:PORT with a port in 1..65535")
-    return host, int(port_text)
+    return parse_hostport(target, "target")
 
 
 class FrameConnection:
