@@ -1,16 +1,20 @@
 """TTFT and TPOT of the disaggregated pair vs colocated serving of the same tiny model, same run.
 
-Three paths, one request at a time (latency, not throughput), the same prompts:
-  colocated   the model in this process: TTFT = prefill forward; TPOT = one decode step.
-  local       pdx deploy, ``pdx_route: local``: gateway → decode, which prefills itself.
-  disagg      pdx deploy, ``pdx_route: disaggregated``: gateway → prefill (KV put) → decode
-              (KV get over mutual TLS, rebuild) → tokens.
-TTFT is measured by the client to the first streamed token; TPOT = (E2E - TTFT) / (tokens - 1).
-The disaggregated TTFT overhead is broken down from the per-request ``pdx`` timings: prefill
-queueing, prefill, KV store (encode + put), transfer (get + rebuild, before the first decode
-step), first decode step. Goal: TTFT overhead vs local <= transfer time + 5 ms.
+Four paths, one request at a time (latency, not throughput), the same prompt, interleaved:
+  colocated      the model in this process: TTFT = prefill forward + pick; TPOT = decode step.
+  colocated_http one process holding the model behind a minimal HTTP/SSE endpoint (no gRPC):
+                 what a colocated server pays for HTTP on top of the forward pass.
+  local          pdx deploy, ``pdx_route: local``: gateway → decode, which prefills itself.
+  disagg         pdx deploy, ``pdx_route: disaggregated``: gateway → prefill, whose first
+                 token is streamed at once while the KV is stored; decode then fetches it.
+TTFT is measured by the client to the first streamed token; TPOT = (E2E - TTFT) / (tokens - 1);
+the first→second token gap is reported on its own (disaggregation moves work there).
+Each served TTFT is broken down from the per-request ``pdx.timings_ms`` (gateway HTTP, gateway
+routing, gRPC hop, prefill queueing, prefill compute) and so is the gap to the second token
+(KV encode + Put, Generate hop, transfer + rebuild, first decode step).
+Goal: disaggregated TTFT overhead <= transfer time + 5 ms, against each baseline.
 
-Usage: python benchmarks/bench_serving.py [--prompt-tokens 512] [--max-tokens 32]
+Usage: python benchmarks/bench_serving.py [--prompt-tokens 512] [--max-tokens 16]
        [--requests 15] [--codec raw] [--no-tls] [--json]
 """
 
@@ -20,10 +24,14 @@ import argparse
 import asyncio
 import json
 import statistics
+import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 GOAL_SLACK_MS = 5.0
+BASELINES = ("colocated", "colocated_http", "local")
+LATENCIES = ("ttft_ms", "second_token_gap_ms", "tpot_ms")
 
 
 def median(values: list[float]) -> float:
@@ -41,46 +49,117 @@ class Colocated:
 
     def once(self, prompt: list[int], max_tokens: int) -> dict[str, float]:
         """TTFT = prefill forward + pick; TPOT = mean decode step."""
+        stamps = [time.perf_counter()]
+        for _ in self.tokens(prompt, max_tokens):
+            stamps.append(time.perf_counter())
+        return _latencies(stamps)
+
+    def tokens(self, prompt: list[int], max_tokens: int) -> Any:
+        """Greedy tokens, one at a time."""
         from pdx.serving.backends.sampling import pick_token
 
-        t0 = time.perf_counter()
         state, logits = self.backend.prefill(prompt)
-        tokens = [pick_token(logits, 0, 0, 0)]
-        t1 = time.perf_counter()
-        while len(tokens) < max_tokens:
-            (state,), logits = self.backend.decode_step([state], [tokens[-1]])
-            tokens.append(pick_token(logits[0], 0, 0, 0))
-        t2 = time.perf_counter()
-        return {"ttft_ms": (t1 - t0) * 1e3, "tpot_ms": (t2 - t1) * 1e3 / (max_tokens - 1)}
+        token = pick_token(logits, 0, 0, 0)
+        yield token
+        for _ in range(max_tokens - 1):
+            (state,), logits = self.backend.decode_step([state], [token])
+            token = pick_token(logits[0], 0, 0, 0)
+            yield token
+
+
+async def serve_colocated() -> None:
+    """Child mode: one process, the model behind ``POST /v1/completions`` streaming SSE.
+
+    Written for the benchmark only (the smallest honest colocated server: model calls on one
+    worker thread, tokens written as they come); prints ``PORT <n>`` when listening.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    from aiohttp import web
+
+    colo, pool = Colocated(), ThreadPoolExecutor(1)
+    loop = asyncio.get_running_loop()
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = json.loads(await request.read())
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        gen = colo.tokens(body["prompt"], body["max_tokens"])
+        while (token := await loop.run_in_executor(pool, next, gen, None)) is not None:
+            event = {"choices": [{"index": 0, "token_ids": [token]}]}
+            await resp.write(f"data: {json.dumps(event)}\n\n".encode())
+        await resp.write(b'data: {"choices": [{"index": 0}], "pdx": {}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    app = web.Application(client_max_size=16 * 1024 * 1024)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    print(f"PORT {site._server.sockets[0].getsockname()[1]}", flush=True)  # type: ignore[union-attr]
+    await loop.run_in_executor(None, sys.stdin.read)  # until the parent closes our stdin
+    await runner.cleanup()
+
+
+async def start_colocated_server() -> tuple[asyncio.subprocess.Process, str]:
+    """Start the colocated HTTP server as a child; return (process, completions URL)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, __file__, "--serve-colocated",
+        stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stdout is not None
+    line = await asyncio.wait_for(proc.stdout.readline(), timeout=120)
+    if not line.startswith(b"PORT "):
+        proc.kill()
+        raise SystemExit(f"colocated server did not start: {line!r}")
+    return proc, f"http://127.0.0.1:{int(line.split()[1])}/v1/completions"
+
+
+async def stop_child(proc: asyncio.subprocess.Process) -> None:
+    """Close the child's stdin (it exits), kill it if it lingers."""
+    assert proc.stdin is not None
+    proc.stdin.close()
+    try:
+        await asyncio.wait_for(proc.wait(), timeout=10)
+    except TimeoutError:
+        proc.kill()
+        await proc.wait()
 
 
 async def one_request(session: Any, url: str, body: dict[str, Any]) -> dict[str, Any]:
     """Stream one completion; client-side TTFT/TPOT plus the server's pdx timings."""
-    t0 = time.perf_counter()
-    first = None
+    stamps = [time.perf_counter()]  # request sent, then one per token
     last: dict[str, Any] = {}
-    n = 0
     async with session.post(url, json=body) as r:
+        if r.status != 200:
+            raise SystemExit(f"HTTP {r.status}: {await r.text()}")
         async for raw in r.content:
             line = raw.decode().strip()
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             event = json.loads(line[6:])
-            n += len(event["choices"][0].get("token_ids", []))
-            if first is None and n:
-                first = time.perf_counter()
+            if "error" in event:
+                raise SystemExit(f"stream error: {event['error']}")
+            now = time.perf_counter()
+            stamps += [now] * len(event["choices"][0].get("token_ids", []))
             last = event
-    end = time.perf_counter()
-    assert first is not None and "pdx" in last, last
+    assert len(stamps) > 2 and "pdx" in last, last
+    return {**_latencies(stamps), "pdx": last["pdx"]}
+
+
+def _latencies(stamps: list[float]) -> dict[str, float]:
+    """TTFT, first→second token gap and TPOT (ms) from [start, token 1, token 2, ...] times."""
+    t0, first, second, end = stamps[0], stamps[1], stamps[2], stamps[-1]
     return {
         "ttft_ms": (first - t0) * 1e3,
-        "tpot_ms": (end - first) * 1e3 / max(1, n - 1),
-        "pdx": last["pdx"],
-        "tokens": n,
+        "second_token_gap_ms": (second - first) * 1e3,
+        "tpot_ms": (end - first) * 1e3 / (len(stamps) - 2),
     }
 
 
-async def served(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
+async def served(args: argparse.Namespace, prompt: list[int]) -> dict[str, list[dict[str, Any]]]:
+    """Run every path ``args.requests`` times (after warm-up), interleaved."""
     import aiohttp
 
     from pdx.serving.deploy_config import load_deploy_config
@@ -91,75 +170,157 @@ async def served(args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
         sets.append("tls.enabled=false")
     dep = Deployment(load_deploy_config(dotted=sets))
     await dep.start()
+    child, colo_url = await start_colocated_server()
     url = dep.endpoints().gateway + "/v1/completions"
     colo = Colocated()
-    out: dict[str, list[dict[str, Any]]] = {"colocated": [], "local": [], "disaggregated": []}
+    calls: dict[str, Callable[[aiohttp.ClientSession], Any]] = {
+        "colocated": lambda s: asyncio.to_thread(colo.once, prompt, args.max_tokens),
+        "colocated_http": lambda s: one_request(s, colo_url, _body(prompt, args, "")),
+        "local": lambda s: one_request(s, url, _body(prompt, args, "local")),
+        "disaggregated": lambda s: one_request(s, url, _body(prompt, args, "disaggregated")),
+    }
+    out: dict[str, list[dict[str, Any]]] = {name: [] for name in calls}
     try:
         async with aiohttp.ClientSession() as session:
-            for _ in range(3):  # warm-up: connections, TLS handshakes, allocator
-                colo.once(prompt, args.max_tokens)
-                for route in ("local", "disaggregated"):
-                    await one_request(session, url, _body(prompt, args, route))
-            for _ in range(args.requests):  # interleaved, so drift hits every path alike
-                out["colocated"].append(colo.once(prompt, args.max_tokens))
-                for route in ("local", "disaggregated"):
-                    out[route].append(await one_request(session, url, _body(prompt, args, route)))
+            for i in range(3 + args.requests):  # 3 warm-ups: connections, TLS, allocator
+                for name, call in calls.items():  # interleaved, so drift hits every path alike
+                    result = await call(session)
+                    if i >= 3:
+                        out[name].append(result)
     finally:
+        await stop_child(child)
         await dep.stop()
     return out
 
 
 def _body(prompt: list[int], args: argparse.Namespace, route: str) -> dict[str, Any]:
-    return {"prompt": prompt, "max_tokens": args.max_tokens, "stream": True, "ignore_eos": True,
-            "return_token_ids": True, "pdx_route": route}  # fmt: skip
+    body = {"prompt": prompt, "max_tokens": args.max_tokens, "stream": True, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    return {**body, "pdx_route": route} if route else body
+
+
+def _timing(r: dict[str, Any], key: str) -> float:
+    return float(r["pdx"]["timings_ms"].get(key) or 0.0)
+
+
+def disaggregated_breakdown(rs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Medians of where the disaggregated TTFT and the gap to the second token go (ms)."""
+
+    def m(fn: Callable[[dict[str, Any]], float]) -> float:
+        return round(median([fn(r) for r in rs]), 3)
+
+    ttft = {
+        "gateway_http_ms": m(lambda r: r["ttft_ms"] - _timing(r, "ttft")),
+        "gateway_routing_ms": m(lambda r: _timing(r, "ttft") - _timing(r, "prefill_first_event")),
+        "prefill_grpc_hop_ms": m(
+            lambda r: (
+                _timing(r, "prefill_first_event")
+                - _timing(r, "prefill_queue")
+                - _timing(r, "prefill")
+            )
+        ),
+        "prefill_queue_ms": m(lambda r: _timing(r, "prefill_queue")),
+        "prefill_ms": m(lambda r: _timing(r, "prefill")),
+    }
+    after = {
+        "kv_encode_put_ms": m(lambda r: _timing(r, "kv_store")),
+        "kv_stored_after_first_token_ms": m(
+            lambda r: _timing(r, "prefill_stored_event") - _timing(r, "prefill_first_event")
+        ),
+        "decode_grpc_hop_ms": m(lambda r: _timing(r, "decode_first_chunk")),
+        "transfer_ms": m(lambda r: float(r["pdx"]["transfer_ms"])),
+        "kv_ready_on_decode_ms": m(lambda r: _timing(r, "decode_kv_ready")),
+        "first_decode_step_ms": m(lambda r: _timing(r, "first_decode_step")),
+        "first_to_second_token_ms": m(lambda r: _timing(r, "first_to_second_token")),
+    }
+    return {"ttft": ttft, "second_token": after}
+
+
+def local_breakdown(rs: list[dict[str, Any]]) -> dict[str, float]:
+    """Medians of where the local path's TTFT goes (ms)."""
+
+    def m(fn: Callable[[dict[str, Any]], float]) -> float:
+        return round(median([fn(r) for r in rs]), 3)
+
+    return {
+        "gateway_http_ms": m(lambda r: r["ttft_ms"] - _timing(r, "ttft")),
+        "gateway_routing_ms": m(lambda r: _timing(r, "ttft") - _timing(r, "decode_first_chunk")),
+        "decode_grpc_hop_ms": m(
+            lambda r: _timing(r, "decode_first_chunk") - _timing(r, "local_prefill")
+        ),
+        "local_prefill_ms": m(lambda r: _timing(r, "local_prefill")),
+    }
 
 
 def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
-    """Medians per path, the disaggregated breakdown, and the goal check."""
-    paths: dict[str, Any] = {}
-    for route, rs in runs.items():
-        paths[route] = {"ttft_ms": median([r["ttft_ms"] for r in rs]),
-                        "tpot_ms": median([r["tpot_ms"] for r in rs])}  # fmt: skip
+    """Medians per path, the breakdowns, and the goal check against every baseline."""
+    paths = {
+        route: {key: median([r[key] for r in rs]) for key in LATENCIES}
+        for route, rs in runs.items()
+    }
     dis = runs["disaggregated"]
     assert all(not r["pdx"]["degraded"] for r in dis), "a disaggregated request degraded"
-
-    def t(key: str) -> float:
-        return median([float(r["pdx"]["timings_ms"][key] or 0.0) for r in dis])
-
     transfer = median([float(r["pdx"]["transfer_ms"]) for r in dis])
-    breakdown = {
-        "prefill_queue_ms": t("prefill_queue"),
-        "prefill_ms": t("prefill"),
-        "kv_store_ms": t("kv_store"),
-        "transfer_ms": transfer,
-        "kv_ready_ms": t("decode_kv_ready"),
-        "first_decode_step_ms": t("first_decode_step"),
-    }
-    overhead_local = paths["disaggregated"]["ttft_ms"] - paths["local"]["ttft_ms"]
-    overhead_colo = paths["disaggregated"]["ttft_ms"] - paths["colocated"]["ttft_ms"]
+    goal = transfer + GOAL_SLACK_MS
+    overhead = {b: paths["disaggregated"]["ttft_ms"] - paths[b]["ttft_ms"] for b in BASELINES}
     return {
         "paths": paths,
-        "disaggregated_breakdown_ms": breakdown,
+        "disaggregated_breakdown_ms": disaggregated_breakdown(dis),
+        "local_breakdown_ms": local_breakdown(runs["local"]),
         "kv_bytes": int(median([float(r["pdx"]["kv_bytes"]) for r in dis])),
-        "ttft_overhead_vs_local_ms": overhead_local,
-        "ttft_overhead_vs_colocated_ms": overhead_colo,
-        "goal_ms": transfer + GOAL_SLACK_MS,
-        "goal_met_vs_local": overhead_local <= transfer + GOAL_SLACK_MS,
-        "goal_met_vs_colocated": overhead_colo <= transfer + GOAL_SLACK_MS,
+        "transfer_ms": transfer,
+        "goal_ms": goal,
+        "ttft_overhead_ms": overhead,
+        "goal_met": {b: v <= goal for b, v in overhead.items()},
         "tpot_ratio_disagg_to_local": paths["disaggregated"]["tpot_ms"] / paths["local"]["tpot_ms"],
     }
 
 
+BASELINE_WORDS = {
+    "colocated": "colocated in-process (model call only, no HTTP, no RPC)",
+    "colocated_http": "colocated server (one process, same HTTP/SSE, no gRPC)",
+    "local": "local route (same gateway, decode prefills)",
+}
+
+
+def render(result: dict[str, Any]) -> None:
+    """Print the result for a terminal."""
+    for name, v in result["paths"].items():
+        gap, tpot = v["second_token_gap_ms"], v["tpot_ms"]
+        print(f"{name:>14}: TTFT {v['ttft_ms']:7.2f} ms   first→second token {gap:6.2f} ms   "
+              f"TPOT {tpot:6.2f} ms (median)")  # fmt: skip
+    print(f"KV per request {result['kv_bytes']} B, codec {result['codec']}, TLS {result['tls']}")
+    dis = result["disaggregated_breakdown_ms"]
+    for title, parts in (
+        ("disaggregated TTFT", dis["ttft"]),
+        ("disaggregated, after the first token", dis["second_token"]),
+        ("local TTFT", result["local_breakdown_ms"]),
+    ):
+        print(f"{title} (median ms): " + ", ".join(
+            f"{k.removesuffix('_ms')} {v:.2f}" for k, v in parts.items()
+        ))  # fmt: skip
+    verdict = {True: "MET", False: "NOT MET"}
+    print(f"goal: TTFT overhead <= transfer + {GOAL_SLACK_MS:.0f} ms = {result['goal_ms']:.2f} ms")
+    for b, words in BASELINE_WORDS.items():
+        over = result["ttft_overhead_ms"][b]
+        print(f"  vs {words}: {over:.2f} ms {verdict[result['goal_met'][b]]}")
+    print(f"TPOT ratio disaggregated / local: {result['tpot_ratio_disagg_to_local']:.3f}")
+
+
 def main() -> None:
-    """Run the three paths and print medians, the breakdown and the goal check."""
+    """Run the four paths and print medians, the breakdowns and the goal check."""
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--prompt-tokens", type=int, default=512)
-    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--requests", type=int, default=15)
     p.add_argument("--codec", default="raw")
     p.add_argument("--no-tls", action="store_true")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--serve-colocated", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.serve_colocated:
+        asyncio.run(serve_colocated())
+        return
     prompt = [4 + (i * 37) % 256 for i in range(args.prompt_tokens)]
     runs = asyncio.run(served(args, prompt))
     result = {"prompt_tokens": args.prompt_tokens, "max_tokens": args.max_tokens,
@@ -167,23 +328,8 @@ def main() -> None:
               **summarize(runs)}  # fmt: skip
     if args.json:
         print(json.dumps(result, indent=2))
-        return
-    for name, v in result["paths"].items():
-        print(f"{name:>14}: TTFT {v['ttft_ms']:8.2f} ms   TPOT {v['tpot_ms']:7.2f} ms (median)")
-    print(f"KV per request {result['kv_bytes']} B, codec {args.codec}, TLS {result['tls']}")
-    print("disaggregated breakdown (median ms): " + ", ".join(
-        f"{k.removesuffix('_ms')} {v:.2f}" for k, v in result["disaggregated_breakdown_ms"].items()
-    ))  # fmt: skip
-    verdict = {True: "MET", False: "NOT MET"}
-    print(f"goal: TTFT overhead <= transfer + {GOAL_SLACK_MS:.0f} ms = {result['goal_ms']:.2f} ms")
-    print(
-        f"  vs local (same gateway, decode prefills): "
-        f"{result['ttft_overhead_vs_local_ms']:.2f} ms {verdict[result['goal_met_vs_local']]}"
-    )
-    print(f"  vs colocated (model in one process, no RPC): "
-          f"{result['ttft_overhead_vs_colocated_ms']:.2f} ms "
-          f"{verdict[result['goal_met_vs_colocated']]}")  # fmt: skip
-    print(f"TPOT ratio disaggregated / local: {result['tpot_ratio_disagg_to_local']:.3f}")
+    else:
+        render(result)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x0epdx.serving.v1\"[\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"x\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdx.serving.v1.SamplingParams\x12\r\n\x05\x63odec\x18\x04 \x01(\t\"\xcd\x01\n\x0cPrefillReply\x12\r\n\x05kv_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x14\n\x0ckv_raw_bytes\x18\x05 \x01(\x04\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12\x10\n\x08store_ms\x18\x07 \x01(\x01\x12\x10\n\x08queue_ms\x18\x08 \x01(\x01\x12\x15\n\rmodel_version\x18\t \x01(\t\x12\r\n\x05\x63odec\x18\n \x01(\t\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdx.serving.v1.SamplingParams\x12\r\n\x05kv_id\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x05\x12\x17\n\x0fhas_first_token\x18\x07 \x01(\x08\x12\x16\n\x0e\x64\x65grade_reason\x18\x08 \x01(\t\"\xef\x01\n\rGenerateStats\x12\r\n\x05route\x18\x01 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x16\n\x0e\x64\x65grade_reason\x18\x03 \x01(\t\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x0f\n\x07retries\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x18\n\x10local_prefill_ms\x18\x08 \x01(\x01\x12\x15\n\rfirst_step_ms\x18\t \x01(\x01\x12\x18\n\x10transfer_outcome\x18\n \x01(\t\x12\x10\n\x08instance\x18\x0b \x01(\t\"g\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.pdx.serving.v1.GenerateStats\"\x15\n\x13\x44\x65\x63odeStatusRequest\"\xc9\x01\n\x11\x44\x65\x63odeStatusReply\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x11\n\tmax_batch\x18\x04 \x01(\r\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x17\n\x0fkv_budget_bytes\x18\x06 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x07 \x01(\x04\x12\x15\n\rmodel_version\x18\x08 \x01(\t\x12\x10\n\x08instance\x18\t \x01(\t2R\n\x07Prefill\x12G\n\x07Prefill\x12\x1e.pdx.serving.v1.PrefillRequest\x1a\x1c.pdx.serving.v1.PrefillReply2\xa8\x01\n\x06\x44\x65\x63ode\x12L\n\x08Generate\x12\x1f.pdx.serving.v1.GenerateRequest\x1a\x1d.pdx.serving.v1.GenerateChunk0\x01\x12P\n\x06Status\x12#.pdx.serving.v1.DecodeStatusRequest\x1a!.pdx.serving.v1.DecodeStatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x0epdx.serving.v1\"[\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"x\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdx.serving.v1.SamplingParams\x12\r\n\x05\x63odec\x18\x04 \x01(\t\"\xcd\x01\n\x0cPrefillReply\x12\r\n\x05kv_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x14\n\x0ckv_raw_bytes\x18\x05 \x01(\x04\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12\x10\n\x08store_ms\x18\x07 \x01(\x01\x12\x10\n\x08queue_ms\x18\x08 \x01(\x01\x12\x15\n\rmodel_version\x18\t \x01(\t\x12\r\n\x05\x63odec\x18\n \x01(\t\"e\n\x11PrefillFirstToken\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x15\n\rmodel_version\x18\x04 \x01(\t\"{\n\x0cPrefillEvent\x12\x32\n\x05\x66irst\x18\x01 \x01(\x0b\x32!.pdx.serving.v1.PrefillFirstTokenH\x00\x12.\n\x06stored\x18\x02 \x01(\x0b\x32\x1c.pdx.serving.v1.PrefillReplyH\x00\x42\x07\n\x05\x65vent\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdx.serving.v1.SamplingParams\x12\r\n\x05kv_id\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x05\x12\x17\n\x0fhas_first_token\x18\x07 \x01(\x08\x12\x16\n\x0e\x64\x65grade_reason\x18\x08 \x01(\t\"\xef\x01\n\rGenerateStats\x12\r\n\x05route\x18\x01 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x16\n\x0e\x64\x65grade_reason\x18\x03 \x01(\t\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x0f\n\x07retries\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x18\n\x10local_prefill_ms\x18\x08 \x01(\x01\x12\x15\n\rfirst_step_ms\x18\t \x01(\x01\x12\x18\n\x10transfer_outcome\x18\n \x01(\t\x12\x10\n\x08instance\x18\x0b \x01(\t\"g\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.pdx.serving.v1.GenerateStats\"\x15\n\x13\x44\x65\x63odeStatusRequest\"\xc9\x01\n\x11\x44\x65\x63odeStatusReply\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x11\n\tmax_batch\x18\x04 \x01(\r\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x17\n\x0fkv_budget_bytes\x18\x06 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x07 \x01(\x04\x12\x15\n\rmodel_version\x18\x08 \x01(\t\x12\x10\n\x08instance\x18\t \x01(\t2\xa3\x01\n\x07Prefill\x12G\n\x07Prefill\x12\x1e.pdx.serving.v1.PrefillRequest\x1a\x1c.pdx.serving.v1.PrefillReply\x12O\n\rPrefillStream\x12\x1e.pdx.serving.v1.PrefillRequest\x1a\x1c.pdx.serving.v1.PrefillEvent0\x01\x32\xa8\x01\n\x06\x44\x65\x63ode\x12L\n\x08Generate\x12\x1f.pdx.serving.v1.GenerateRequest\x1a\x1d.pdx.serving.v1.GenerateChunk0\x01\x12P\n\x06Status\x12#.pdx.serving.v1.DecodeStatusRequest\x1a!.pdx.serving.v1.DecodeStatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -37,18 +37,22 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_PREFILLREQUEST']._serialized_end=246
   _globals['_PREFILLREPLY']._serialized_start=249
   _globals['_PREFILLREPLY']._serialized_end=454
-  _globals['_GENERATEREQUEST']._serialized_start=457
-  _globals['_GENERATEREQUEST']._serialized_end=676
-  _globals['_GENERATESTATS']._serialized_start=679
-  _globals['_GENERATESTATS']._serialized_end=918
-  _globals['_GENERATECHUNK']._serialized_start=920
-  _globals['_GENERATECHUNK']._serialized_end=1023
-  _globals['_DECODESTATUSREQUEST']._serialized_start=1025
-  _globals['_DECODESTATUSREQUEST']._serialized_end=1046
-  _globals['_DECODESTATUSREPLY']._serialized_start=1049
-  _globals['_DECODESTATUSREPLY']._serialized_end=1250
-  _globals['_PREFILL']._serialized_start=1252
-  _globals['_PREFILL']._serialized_end=1334
-  _globals['_DECODE']._serialized_start=1337
-  _globals['_DECODE']._serialized_end=1505
+  _globals['_PREFILLFIRSTTOKEN']._serialized_start=456
+  _globals['_PREFILLFIRSTTOKEN']._serialized_end=557
+  _globals['_PREFILLEVENT']._serialized_start=559
+  _globals['_PREFILLEVENT']._serialized_end=682
+  _globals['_GENERATEREQUEST']._serialized_start=685
+  _globals['_GENERATEREQUEST']._serialized_end=904
+  _globals['_GENERATESTATS']._serialized_start=907
+  _globals['_GENERATESTATS']._serialized_end=1146
+  _globals['_GENERATECHUNK']._serialized_start=1148
+  _globals['_GENERATECHUNK']._serialized_end=1251
+  _globals['_DECODESTATUSREQUEST']._serialized_start=1253
+  _globals['_DECODESTATUSREQUEST']._serialized_end=1274
+  _globals['_DECODESTATUSREPLY']._serialized_start=1277
+  _globals['_DECODESTATUSREPLY']._serialized_end=1478
+  _globals['_PREFILL']._serialized_start=1481
+  _globals['_PREFILL']._serialized_end=1644
+  _globals['_DECODE']._serialized_start=1647
+  _globals['_DECODE']._serialized_end=1815
 # @@protoc_insertion_point(module_scope)

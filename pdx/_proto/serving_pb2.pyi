@@ -54,6 +54,26 @@ class PrefillReply(_message.Message):
     codec: str
     def __init__(self, kv_id: _Optional[str] = ..., first_token: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_raw_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., model_version: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
 
+class PrefillFirstToken(_message.Message):
+    __slots__ = ("first_token", "prefill_ms", "queue_ms", "model_version")
+    FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    first_token: int
+    prefill_ms: float
+    queue_ms: float
+    model_version: str
+    def __init__(self, first_token: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., model_version: _Optional[str] = ...) -> None: ...
+
+class PrefillEvent(_message.Message):
+    __slots__ = ("first", "stored")
+    FIRST_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    first: PrefillFirstToken
+    stored: PrefillReply
+    def __init__(self, first: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., stored: _Optional[_Union[PrefillReply, _Mapping]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_id", "kv_endpoint", "first_token", "has_first_token", "degrade_reason")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]

@@ -39,6 +39,11 @@ class PrefillStub:
                 request_serializer=serving__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=serving__pb2.PrefillReply.FromString,
                 _registered_method=True)
+        self.PrefillStream = channel.unary_stream(
+                '/pdx.serving.v1.Prefill/PrefillStream',
+                request_serializer=serving__pb2.PrefillRequest.SerializeToString,
+                response_deserializer=serving__pb2.PrefillEvent.FromString,
+                _registered_method=True)
 
 
 class PrefillServicer:
@@ -50,6 +55,13 @@ class PrefillServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PrefillStream(self, request, context):
+        """The same work, answering the first token before the KV store Put completes.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -57,6 +69,11 @@ def add_PrefillServicer_to_server(servicer, server):
                     servicer.Prefill,
                     request_deserializer=serving__pb2.PrefillRequest.FromString,
                     response_serializer=serving__pb2.PrefillReply.SerializeToString,
+            ),
+            'PrefillStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.PrefillStream,
+                    request_deserializer=serving__pb2.PrefillRequest.FromString,
+                    response_serializer=serving__pb2.PrefillEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -86,6 +103,33 @@ class Prefill:
             '/pdx.serving.v1.Prefill/Prefill',
             serving__pb2.PrefillRequest.SerializeToString,
             serving__pb2.PrefillReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefillStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdx.serving.v1.Prefill/PrefillStream',
+            serving__pb2.PrefillRequest.SerializeToString,
+            serving__pb2.PrefillEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -86,6 +86,7 @@ class Sequence:
     cancelled: bool = False
     error: str = ""
     stats: serving_pb2.GenerateStats = field(default_factory=serving_pb2.GenerateStats)
+    release_due: bool = False  # fetched KV rebuilt here; the store may be told to delete it
 
     @property
     def prompt(self) -> list[int]:
@@ -178,9 +179,8 @@ class DecodeEngine:
             if not seq.stats.first_step_ms:
                 seq.stats.first_step_ms = step_ms
             sp = seq.request.sampling
-            token = pick_token(
-                logits[row], sp.temperature, sp.seed, len(seq.prompt) + len(seq.tokens)
-            )
+            position = len(seq.request.prompt_token_ids) + len(seq.tokens)
+            token = pick_token(logits[row], sp.temperature, sp.seed, position)
             self.emit(seq, token)
         self.running = [s for s in self.running if not s.finish_reason and not s.cancelled]
 
@@ -205,6 +205,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         self.engine = engine
         self.kv = kv
         self.fetching = 0
+        self._background: set[asyncio.Task[None]] = set()
 
     async def Status(
         self, request: serving_pb2.DecodeStatusRequest, context: grpc.aio.ServicerContext
@@ -244,6 +245,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         except DecodeFailed as exc:
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
+            self._release_if_due(seq)  # also when the request ended early
             seq.cancelled = not seq.finish_reason
             seq.state = None
             e.admitted -= 1
@@ -264,6 +266,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             self.engine.join(seq)
         while (token := await seq.out.get()) is not None:
             yield serving_pb2.GenerateChunk(token_ids=[token])
+            self._release_if_due(seq)
         if seq.error:
             raise DecodeFailed(seq.error)
         yield serving_pb2.GenerateChunk(finish_reason=seq.finish_reason, stats=seq.stats)
@@ -310,9 +313,24 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             raise KVUnusable("model_version_mismatch", f"KV from {got.model_version}")
         length = len(req.prompt_token_ids)
         seq.state = await e.run_model(decode_kv, got.payload, got.layout, e.backend, length)
-        # Acknowledge only once the KV is rebuilt here: then the store may delete it.
+        # Acknowledge only once the KV is rebuilt here: then the store may delete it. The
+        # acknowledgement is one more round trip: it is sent once this sequence's first decoded
+        # token is out (see _serve), not between the fetch and that token.
+        seq.release_due = True
+
+    def _release_if_due(self, seq: Sequence) -> None:
+        if seq.release_due:
+            seq.release_due = False
+            self._spawn(self._release(seq.request.kv_endpoint, seq.request.kv_id))
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)  # held until done: the loop keeps only weak references
+        task.add_done_callback(self._background.discard)
+
+    async def _release(self, endpoint: str, kv_id: str) -> None:
         with contextlib.suppress(KVError):
-            await self.kv.release(req.kv_endpoint, req.kv_id)
+            await self.kv.release(endpoint, kv_id)
 
     async def _wait_for_memory(self, req: serving_pb2.GenerateRequest) -> None:
         """Hold the request (renewing its lease) while resident KV is over budget."""

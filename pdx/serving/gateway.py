@@ -483,7 +483,9 @@ class _Flow:
         self.outcome = Outcome()
         self.t0 = time.perf_counter()
         self.ttft_s: float | None = None
+        self.prefill_first: serving_pb2.PrefillFirstToken | None = None
         self.prefill_reply: serving_pb2.PrefillReply | None = None
+        self.marks: dict[str, float] = {}  # gateway-side intervals, seconds
 
     async def collect(self) -> Outcome:
         """Run to completion (non-streaming)."""
@@ -498,7 +500,12 @@ class _Flow:
         self.gw.metrics.in_flight.labels(d.name).set(d.in_flight)
         outcome_label = "error"
         try:
-            gen = await self._generate_request()
+            gen = self._generate_request()
+            if self.decision.route == "disaggregated" and self.decision.prefill is not None:
+                async for token in self._prefill(self.decision.prefill, gen):
+                    yield token
+            if self.decision.degrade_reason:
+                gen.degrade_reason = self.decision.degrade_reason
             async for token in self._decode(gen):
                 yield token
             outcome_label = "degraded" if self.outcome.pdx.get("degraded") else "ok"
@@ -508,69 +515,73 @@ class _Flow:
             route = self.outcome.pdx.get("route", self.decision.route)
             self.gw.metrics.requests.labels(route, outcome_label).inc()
 
-    async def _generate_request(self) -> serving_pb2.GenerateRequest:
-        req, dec = self.req, self.decision
+    def _generate_request(self) -> serving_pb2.GenerateRequest:
+        req = self.req
         sampling = serving_pb2.SamplingParams(
             max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
             ignore_eos=req.ignore_eos,
         )  # fmt: skip
-        gen = serving_pb2.GenerateRequest(
+        return serving_pb2.GenerateRequest(
             request_id=self.id, prompt_token_ids=req.prompt_ids, sampling=sampling
         )
-        if dec.route == "disaggregated" and dec.prefill is not None:
-            reply = await self._prefill(dec.prefill, sampling)
-            if reply is not None:
-                self.prefill_reply = reply
-                gen.kv_id, gen.first_token, gen.has_first_token = (
-                    reply.kv_id, reply.first_token, True,
-                )  # fmt: skip
-                gen.kv_endpoint = self.gw.kv_route.get(reply.kv_endpoint, reply.kv_endpoint)
-                return gen
-        if dec.degrade_reason:
-            gen.degrade_reason = dec.degrade_reason
-        return gen
 
     async def _prefill(
-        self, p: PrefillInstance, sampling: serving_pb2.SamplingParams
-    ) -> serving_pb2.PrefillReply | None:
+        self, p: PrefillInstance, gen: serving_pb2.GenerateRequest
+    ) -> AsyncIterator[int]:
+        """Yield prefill's first token the moment it arrives; fill in the kv_id once stored.
+
+        The client gets the first token while prefill still encodes and stores the KV, so the
+        store Put is not on the time to first token. Failures degrade to local prefill.
+        """
+        request = serving_pb2.PrefillRequest(
+            request_id=self.id, token_ids=gen.prompt_token_ids, sampling=gen.sampling,
+            codec=self.req.kv_codec,
+        )  # fmt: skip
         p.in_flight += 1
+        sent = time.perf_counter()
+        call = p.stub.PrefillStream(request, timeout=self.gw.cfg.request_timeout_s)
         try:
-            return await p.stub.Prefill(
-                serving_pb2.PrefillRequest(
-                    request_id=self.id,
-                    token_ids=self.req.prompt_ids,
-                    sampling=sampling,
-                    codec=self.req.kv_codec,
-                ),
-                timeout=self.gw.cfg.request_timeout_s,
-            )
+            async for event in call:
+                if event.HasField("first"):
+                    self.marks["prefill_first_event"] = time.perf_counter() - sent
+                    self.prefill_first = event.first
+                    gen.first_token, gen.has_first_token = event.first.first_token, True
+                    self._token(gen.first_token)
+                    yield gen.first_token
+                elif event.HasField("stored"):
+                    self.marks["prefill_stored_event"] = time.perf_counter() - sent
+                    self.prefill_reply = stored = event.stored
+                    gen.kv_id = stored.kv_id
+                    gen.kv_endpoint = self.gw.kv_route.get(stored.kv_endpoint, stored.kv_endpoint)
         except grpc.aio.AioRpcError as exc:
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                raise HTTPProblem(
-                    400, exc.details() or "bad request", "invalid_request_error"
-                ) from None
-            reason = (
-                "prefill_overloaded"
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-                else "prefill_unavailable"
-            )
-            self.decision.degrade_reason = reason
-            self.decision.route = "local"
-            return None
+            self._prefill_failed(exc, gen.has_first_token)
         finally:
+            call.cancel()
             p.in_flight -= 1
+        if not gen.kv_id and not self.decision.degrade_reason:
+            self._degrade_to_local("prefill_no_kv")
+
+    def _prefill_failed(self, exc: grpc.aio.AioRpcError, started: bool) -> None:
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and not started:
+            raise HTTPProblem(400, exc.details() or "bad request", "invalid_request_error")
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._degrade_to_local("prefill_overloaded")
+        else:  # after the first token: the KV could not be stored; decode prefills itself
+            self._degrade_to_local("kv_store_failed" if started else "prefill_unavailable")
+
+    def _degrade_to_local(self, reason: str) -> None:
+        self.decision.degrade_reason = reason
+        self.decision.route = "local"
 
     async def _decode(self, gen: serving_pb2.GenerateRequest) -> AsyncIterator[int]:
         d = self.decision.decode
+        sent = time.perf_counter()
         call = d.stub.Generate(gen, timeout=self.gw.cfg.request_timeout_s)
-        # Prefill already chose the first token: hand it out now, while decode fetches the KV
-        # (decode echoes it as its first chunk, which is skipped below).
+        # Prefill's first token went out already; decode echoes it first, skipped here.
         skip = 1 if gen.has_first_token else 0
-        if skip:
-            self._token(gen.first_token)
-            yield gen.first_token
         try:
             async for chunk in call:
+                self.marks.setdefault("decode_first_chunk", time.perf_counter() - sent)
                 for token in chunk.token_ids:
                     if skip:
                         skip -= 1
@@ -607,6 +618,8 @@ class _Flow:
     def _token(self, token: int) -> None:
         if self.ttft_s is None:
             self.ttft_s = time.perf_counter() - self.t0
+        elif len(self.outcome.tokens) == 1:
+            self.marks["first_to_second_token"] = time.perf_counter() - self.t0 - self.ttft_s
         self.outcome.tokens.append(token)
 
     def _finish(self, chunk: serving_pb2.GenerateChunk) -> None:
@@ -652,17 +665,32 @@ class _Flow:
             if pr and self.decision.prefill
             else None,
             "kv_id": pr.kv_id if pr else None,
-            "timings_ms": {
-                "ttft": round((self.ttft_s or 0.0) * 1e3, 3),
-                "e2e": round(e2e_s * 1e3, 3),
-                "prefill_queue": round(pr.queue_ms, 3) if pr else None,
-                "prefill": round(pr.prefill_ms, 3) if pr else None,
-                "kv_store": round(pr.store_ms, 3) if pr else None,
-                "decode_kv_ready": round(st.queue_ms, 3),
-                "local_prefill": round(st.local_prefill_ms, 3),
-                "first_decode_step": round(st.first_step_ms, 3),
-            },
+            "timings_ms": self._timings(st, e2e_s),
         }
+
+    def _timings(self, st: serving_pb2.GenerateStats, e2e_s: float) -> dict[str, float | None]:
+        """Where the time went (ms): prefill and decode figures plus gateway-side intervals."""
+        pf, pr = self.prefill_first, self.prefill_reply
+
+        def ms(value: float | None) -> float | None:
+            return None if value is None else round(value, 3)
+
+        return {
+            "ttft": ms((self.ttft_s or 0.0) * 1e3),
+            "e2e": ms(e2e_s * 1e3),
+            "prefill_queue": ms(pf.queue_ms) if pf else None,
+            "prefill": ms(pf.prefill_ms) if pf else None,
+            "kv_store": ms(pr.store_ms) if pr else None,
+            "decode_kv_ready": ms(st.queue_ms),
+            "local_prefill": ms(st.local_prefill_ms),
+            "first_decode_step": ms(st.first_step_ms),
+            **{k: ms(self.marks[k] * 1e3) if k in self.marks else None for k in MARKS},
+        }
+
+
+# Gateway-side intervals in every response's timings_ms (see docs/deploy.md).
+MARKS = ("prefill_first_event", "prefill_stored_event", "decode_first_chunk",
+         "first_to_second_token")  # fmt: skip
 
 
 def build_gateway(

@@ -1,5 +1,8 @@
 """The prefill service: runs the prompt, stores its KV, answers with the kv_id and first token.
 
+``PrefillStream`` (what the gateway uses) answers the first token before the KV is stored, so
+the store Put is not on the time to first token; ``Prefill`` answers both at once.
+
 One process = one gRPC Prefill service + the KV store that holds what it produced (decode
 instances read from that store over the KV transfer contract). Admission is bounded:
 ``max_inflight`` prompts run at once, at most ``max_queue`` wait, and ``rate_limit_qps``
@@ -10,7 +13,9 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
@@ -18,10 +23,10 @@ import grpc
 from pydantic import BaseModel
 
 from pdx._proto import serving_pb2, serving_pb2_grpc
-from pdx.serving.backends.base import ModelBackend
+from pdx.serving.backends.base import KVState, ModelBackend
 from pdx.serving.backends.kvwire import EncodedKV, encode_kv
 from pdx.serving.backends.sampling import pick_token
-from pdx.serving.contract import KVClientConfig, KVStoreConfig, TLSConfig
+from pdx.serving.contract import KVClientConfig, KVError, KVStoreConfig, TLSConfig
 from pdx.serving.deploy_config import DeployConfig, KVConfig, NodeOptions, PrefillConfig
 from pdx.serving.rpc import create_server, set_serving, start_health_server
 
@@ -66,14 +71,46 @@ def check_prompt(token_ids: list[int], backend: ModelBackend, max_new: int) -> s
             f"prompt of {len(token_ids)} tokens + max_tokens {max_new} exceeds the model's "
             f"context of {backend.max_context_tokens} tokens"
         )
-    bad = [t for t in token_ids if not 0 <= t < backend.vocab_size]
-    if bad:
-        return f"token id {bad[0]} is outside the vocabulary [0, {backend.vocab_size})"
+    vocab = backend.vocab_size  # a property: read once, not once per token (it is on the TTFT path)
+    if min(token_ids) < 0 or max(token_ids) >= vocab:
+        bad = next(t for t in token_ids if not 0 <= t < vocab)
+        return f"token id {bad} is outside the vocabulary [0, {vocab})"
     return None
 
 
+@dataclass
+class Prefilled:
+    """A prompt's KV and first token, before the KV is stored."""
+
+    state: KVState
+    first_token: int
+    prefill_ms: float
+    queue_ms: float
+    done_at: float  # perf_counter() when the model finished
+
+    def first_event(self, backend: ModelBackend) -> serving_pb2.PrefillFirstToken:
+        """The first PrefillStream event."""
+        return serving_pb2.PrefillFirstToken(
+            first_token=self.first_token,
+            prefill_ms=self.prefill_ms,
+            queue_ms=self.queue_ms,
+            model_version=backend.model_version,
+        )
+
+
+def _prefill_and_pick(
+    backend: ModelBackend, ids: list[int], temperature: float, seed: int
+) -> tuple[KVState, int]:
+    # Sampling on the model thread saves one event-loop round trip before the first token.
+    state, logits = backend.prefill(ids)
+    return state, pick_token(logits, temperature, seed, len(ids))
+
+
 class PrefillServicer(serving_pb2_grpc.PrefillServicer):
-    """gRPC Prefill: bounded admission → model prefill → encode → KV store put."""
+    """gRPC Prefill: bounded admission → model prefill → encode → KV store put.
+
+    ``PrefillStream`` answers the first token before the encode and put, which overlap its send.
+    """
 
     def __init__(
         self, backend: ModelBackend, cfg: PrefillConfig, kv_cfg: KVConfig, sink: KVSink
@@ -92,6 +129,43 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> serving_pb2.PrefillReply:
         """Run one prompt; the reply carries kv_id, first token and timings."""
+        ids = await self._admit(request, context)
+        self._waiting += 1
+        arrived = time.perf_counter()
+        try:
+            async with self._slots:
+                done = await self._compute(request, ids, arrived)
+                return await self._store(request, done, await self._encode(request, done))
+        finally:
+            self._waiting -= 1
+
+    async def PrefillStream(
+        self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[serving_pb2.PrefillEvent]:
+        """Run one prompt; answer the first token at once, then the kv_id once stored."""
+        ids = await self._admit(request, context)
+        self._waiting += 1
+        arrived = time.perf_counter()
+        try:
+            async with self._slots:
+                done = await self._compute(request, ids, arrived)
+                # Encoding (a worker thread) overlaps the first token's send; the Put, which
+                # works on this event loop, starts once that message is written.
+                encoding = self._encode(request, done)
+                try:
+                    yield serving_pb2.PrefillEvent(first=done.first_event(self.backend))
+                    stored = await self._store(request, done, await encoding)
+                except KVError as exc:  # the first token is out; the caller decides what next
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV store put: {exc}")
+                finally:
+                    encoding.cancel()
+                yield serving_pb2.PrefillEvent(stored=stored)
+        finally:
+            self._waiting -= 1
+
+    async def _admit(
+        self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> list[int]:
         if not self._bucket.take():
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill rate limit")
         if self._waiting >= self.cfg.max_queue + self.cfg.max_inflight:
@@ -100,40 +174,45 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         problem = check_prompt(ids, self.backend, 0)
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        self._waiting += 1
-        arrived = time.perf_counter()
-        try:
-            async with self._slots:
-                return await self._run(request, ids, arrived)
-        finally:
-            self._waiting -= 1
+        return ids
 
-    async def _run(
+    async def _compute(
         self, request: serving_pb2.PrefillRequest, ids: list[int], arrived: float
-    ) -> serving_pb2.PrefillReply:
-        loop = asyncio.get_running_loop()
+    ) -> Prefilled:
         started = time.perf_counter()
-        state, logits = await loop.run_in_executor(self._model, self.backend.prefill, ids)
-        done = time.perf_counter()
         s = request.sampling
-        first = pick_token(logits, s.temperature, s.seed, len(ids))
+        state, first = await asyncio.get_running_loop().run_in_executor(
+            self._model, _prefill_and_pick, self.backend, ids, s.temperature, s.seed
+        )
+        done = time.perf_counter()
+        return Prefilled(state, first, (done - started) * 1e3, (started - arrived) * 1e3, done)
+
+    def _encode(
+        self, request: serving_pb2.PrefillRequest, done: Prefilled
+    ) -> asyncio.Future[EncodedKV]:
         codec = request.codec or self.kv_cfg.codec
-        layers = len(state.tensors) // 2
-        encoded = await loop.run_in_executor(self._codec_pool, encode_kv, state, codec, layers)
+        layers = len(done.state.tensors) // 2
+        return asyncio.get_running_loop().run_in_executor(
+            self._codec_pool, encode_kv, done.state, codec, layers
+        )
+
+    async def _store(
+        self, request: serving_pb2.PrefillRequest, done: Prefilled, encoded: EncodedKV
+    ) -> serving_pb2.PrefillReply:
         kv_id, stored = await self.sink.put(
             encoded, self.backend.model_version, self.kv_cfg.kv_ttl_seconds
         )
         return serving_pb2.PrefillReply(
             kv_id=kv_id,
-            first_token=first,
+            first_token=done.first_token,
             kv_endpoint=self.sink.endpoint,
             kv_bytes=stored,
             kv_raw_bytes=encoded.raw_bytes,
-            prefill_ms=(done - started) * 1e3,
-            store_ms=(time.perf_counter() - done) * 1e3,
-            queue_ms=(started - arrived) * 1e3,
+            prefill_ms=done.prefill_ms,
+            store_ms=(time.perf_counter() - done.done_at) * 1e3,
+            queue_ms=done.queue_ms,
             model_version=self.backend.model_version,
-            codec=codec,
+            codec=encoded.layout["codec"],
         )
 
     def close(self) -> None:

@@ -191,3 +191,39 @@ async def test_fetch_waits_while_resident_kv_is_over_budget() -> None:
     finally:
         await decode.stop(0.5)
         await prefill.stop(0.5)
+
+
+async def test_fetched_object_is_released_once_rebuilt() -> None:
+    from pdx.serving.contract import KVClientConfig, KVError
+    from pdx.serving.kv_client import KVClient
+    from pdx.serving.prefill import PrefillNode
+
+    cfg = load_deploy_config(dotted=["kv.kv_transfer_timeout_ms=5000"])
+    prefill = await PrefillNode.start(cfg, NodeOptions())
+    decode = await DecodeNode.start(cfg, NodeOptions())
+    try:
+        async with (
+            grpc.aio.insecure_channel(f"127.0.0.1:{decode.port}") as dch,
+            grpc.aio.insecure_channel(f"127.0.0.1:{prefill.port}") as pch,
+        ):
+            reply = await serving_pb2_grpc.PrefillStub(pch).Prefill(
+                serving_pb2.PrefillRequest(token_ids=[7, 8, 9]), timeout=30
+            )
+            req = gen([7, 8, 9], 4, kv_id=reply.kv_id, kv_endpoint=reply.kv_endpoint,
+                      first_token=reply.first_token, has_first_token=True)  # fmt: skip
+            tokens, last = await collect(serving_pb2_grpc.DecodeStub(dch), req)
+        assert last.stats.route == "disaggregated" and tokens == greedy_alone([7, 8, 9], 4)
+        # The acknowledgement runs beside decoding: wait (bounded) for the store to drop it.
+        async with KVClient(reply.kv_endpoint, KVClientConfig(kv_transfer_timeout_ms=5000)) as kv:
+            for _ in range(200):
+                try:
+                    await kv.stat(reply.kv_id)
+                except KVError as exc:
+                    assert exc.code.value == "KV_NOT_FOUND", exc
+                    break
+                await asyncio.sleep(0.01)
+            else:
+                pytest.fail("the fetched object was never released")
+    finally:
+        await decode.stop(0.5)
+        await prefill.stop(0.5)

@@ -12,11 +12,11 @@ import torch
 
 from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.serving.backends import create_backend
-from pdx.serving.backends.kvwire import decode_kv
+from pdx.serving.backends.kvwire import EncodedKV, decode_kv
 from pdx.serving.contract import KVClientConfig
 from pdx.serving.deploy_config import NodeOptions, load_deploy_config
 from pdx.serving.kv_client import KVClient
-from pdx.serving.prefill import PrefillNode
+from pdx.serving.prefill import PrefillNode, StoreSink
 from pdx.serving.tls import init_certs
 
 PROMPT = list(range(40, 72))
@@ -103,3 +103,53 @@ async def test_client_without_certificate_is_rejected(tmp_path: Path) -> None:
         assert reply.kv_id
     finally:
         await n.stop(0.5)
+
+
+class GatedSink:
+    """The node's real store sink, whose Put waits until the test opens the gate."""
+
+    def __init__(self, inner: StoreSink) -> None:
+        self.inner, self.endpoint = inner, inner.endpoint
+        self.gate, self.puts = asyncio.Event(), 0
+
+    async def put(self, encoded: EncodedKV, model_version: str, ttl_s: int) -> tuple[str, int]:
+        await self.gate.wait()
+        self.puts += 1
+        return await self.inner.put(encoded, model_version, ttl_s)
+
+
+async def test_stream_answers_the_first_token_before_the_put_completes(node: PrefillNode) -> None:
+    assert node.servicer is not None and isinstance(node.servicer.sink, StoreSink)
+    sink = node.servicer.sink = GatedSink(node.servicer.sink)
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+        call = serving_pb2_grpc.PrefillStub(ch).PrefillStream(request(PROMPT), timeout=30)
+        first = await call.read()
+        assert first.HasField("first") and sink.puts == 0  # the Put has not even begun
+        sink.gate.set()
+        stored = (await call.read()).stored
+        assert await call.read() is grpc.aio.EOF
+    backend = create_backend(load_deploy_config().model)
+    state, logits = backend.prefill(PROMPT)
+    assert first.first.first_token == stored.first_token == int(logits.argmax())
+    assert first.first.prefill_ms > 0 and first.first.model_version == backend.model_version
+    assert stored.kv_id.startswith("kv1.") and stored.store_ms > 0
+    async with KVClient(stored.kv_endpoint, KVClientConfig(kv_transfer_timeout_ms=5000)) as kv:
+        obj = await kv.get(stored.kv_id)
+        await kv.release(stored.kv_id)
+    assert obj.info.size_bytes == stored.kv_bytes and stored.kv_raw_bytes == state.nbytes
+
+
+async def test_stream_reports_a_failed_put_after_the_first_token() -> None:
+    n = await start(None, "kv.kv_transfer_timeout_ms=1500", "kv.kv_retry_budget=1")
+    try:
+        await n.kv_server.stop(0)  # the store is gone: the Put cannot succeed
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{n.port}") as ch:
+            call = serving_pb2_grpc.PrefillStub(ch).PrefillStream(request(PROMPT), timeout=30)
+            first = await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+    finally:
+        await n.stop(0.5)
+    assert first.HasField("first")
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "KV store put" in (err.value.details() or "")
