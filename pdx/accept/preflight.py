@@ -12,6 +12,7 @@ from typing import Any
 
 from pdx.accept.playbook import Playbook
 from pdx.errors import PdxError
+from pdx.serving.backends.presets import TINY_PRESETS, tiny_config_json
 
 
 def deployed_model(pb: Playbook, playbook_dir: Path) -> tuple[Any, str, str]:
@@ -29,18 +30,12 @@ def deployed_model(pb: Playbook, playbook_dir: Path) -> tuple[Any, str, str]:
     if model.checkpoint:
         # The CPU backend loads checkpoints in fp32 (bf16 on CUDA); KV travels in that dtype.
         return load_model_dir(Path(model.checkpoint)), "fp32", "deploy model.checkpoint"
-    if model.backend == "transformers":
-        from pdx.serving.backends.transformers_backend import TINY_PRESETS
-
-        if model.preset in TINY_PRESETS:
-            config = {"model_type": "llama", **TINY_PRESETS[model.preset]}
-            source = ModelSource(name=model.preset, config=config)
-            return source, "fp32", "deploy model.preset (tiny transformers config)"
+    if model.backend == "transformers" and model.preset in TINY_PRESETS:
+        source = ModelSource(name=model.preset, config=tiny_config_json(model.preset))
+        return source, "fp32", "deploy model.preset (tiny transformers config)"
     if model.preset == "tiny-llama":  # synthetic twin of the tiny preset: same layout, fp32
-        from pdx.serving.backends.transformers_backend import TINY_PRESETS
-
-        config = {"model_type": "llama", **TINY_PRESETS["tiny-llama"]}
-        return ModelSource(name="tiny-llama", config=config), "fp32", "deploy synthetic tiny-llama"
+        source = ModelSource(name="tiny-llama", config=tiny_config_json("tiny-llama"))
+        return source, "fp32", "deploy synthetic tiny-llama"
     return load_preset(model.preset), "bf16", "deploy model.preset (measure-kv preset)"
 
 

@@ -6,6 +6,7 @@ line; each service receives its own validated sub-config and never reads the env
 
 from __future__ import annotations
 
+import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -39,6 +40,14 @@ class KVConfig(BaseModel):
     max_inflight_kv: int = Field(32, ge=1)
     store_budget_bytes: int = Field(2 * 1024**3, gt=0)
     via_proxy: bool = Field(False, description="route decode's KV reads through a fault proxy")
+    proxy_host: str = Field(
+        "127.0.0.1",
+        description="where the KV-link fault proxy listens: the decode side (pdx deploy's own "
+        "namespace); its upstream is prefill.host:kv_port",
+    )
+    proxy_control_host: str = Field(
+        "127.0.0.1", description="where the fault proxy's HTTP control API listens"
+    )
 
     @field_validator("codec")
     @classmethod
@@ -174,6 +183,24 @@ class DeployConfig(BaseModel):
                 "tls.enabled=false"
             )
         return self
+
+    @model_validator(mode="after")
+    def _proxy_reachable_from_decode(self) -> DeployConfig:
+        # The proxy runs in pdx deploy's namespace; a decode in another one has its own loopback.
+        if self.kv.via_proxy and self.decode.netns and _is_loopback(self.kv.proxy_host):
+            raise ValueError(
+                f"kv.proxy_host: {self.kv.proxy_host} is loopback, which decode.netns "
+                f"{self.decode.netns!r} cannot reach; give an address of pdx deploy's namespace "
+                "that the decode site routes to, or run pdx deploy in the decode namespace"
+            )
+        return self
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 DEFAULT_YAML = """\

@@ -11,10 +11,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import secrets
 import signal
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -29,6 +30,8 @@ from pdx.serving.contract import TLSConfig
 from pdx.serving.deploy_config import DeployConfig, GatewayConfig, local_prefill_threshold
 from pdx.serving.router import ROUTES, Decision, DecodeInstance, PrefillInstance, Router
 from pdx.serving.rpc import channel
+
+log = logging.getLogger("pdx.gateway")
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
 
@@ -69,6 +72,12 @@ class GatewayMetrics:
         )
         self.rejections = Counter(
             "pdx_gateway_rejections", "Requests refused before work", ["reason"], registry=r
+        )
+        self.client_disconnects = Counter(
+            "pdx_gateway_client_disconnects",
+            "Streams whose client went away before the end (generation stopped)",
+            ["route"],
+            registry=r,
         )
         self.ttft = Histogram(
             "pdx_gateway_ttft_seconds", "Time to first token", ["route"],
@@ -403,19 +412,24 @@ class Gateway:
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        await resp.prepare(request)
         sse = _SSE(self, req, flow, obj, resp)
         try:
-            if first is not None:
-                await sse.tokens(first)
-            async for token in events:
-                await sse.tokens(token)
-            await sse.finish()
-        except HTTPProblem as exc:
-            await sse.error(exc)
-        await resp.write(b"data: [DONE]\n\n")
-        await resp.write_eof()
+            await resp.prepare(request)
+            await sse.run(first, events)
+        except ConnectionResetError:  # aiohttp's ClientConnectionResetError: the client left
+            await self._client_gone(flow, events)
         return resp
+
+    async def _client_gone(self, flow: _Flow, events: AsyncGenerator[int, None]) -> None:
+        """A client leaving mid-stream is normal: stop its generation, count it, one log line."""
+        flow.client_gone = True
+        await events.aclose()  # cancels the prefill/decode calls; in-flight counters drop
+        route = flow.outcome.pdx.get("route", flow.decision.route)
+        self.metrics.client_disconnects.labels(route).inc()
+        log.info(
+            "client disconnected mid-stream: %s after %d tokens (route %s); generation stopped",
+            flow.id, len(flow.outcome.tokens), route,
+        )  # fmt: skip
 
 
 def _usage(req: CompletionRequest, completion_tokens: int) -> dict[str, int]:
@@ -468,6 +482,19 @@ class _SSE:
         choice = {"index": 0, **self._delta(rest), "finish_reason": out.finish_reason}
         await self._send(choice, usage=_usage(self.req, len(out.tokens)), pdx=out.pdx)
 
+    async def run(self, first: int | None, events: AsyncIterator[int]) -> None:
+        """Every event of the stream, then ``data: [DONE]``; a failure becomes an error event."""
+        try:
+            if first is not None:
+                await self.tokens(first)
+            async for token in events:
+                await self.tokens(token)
+            await self.finish()
+        except HTTPProblem as exc:
+            await self.error(exc)
+        await self.resp.write(b"data: [DONE]\n\n")
+        await self.resp.write_eof()
+
     async def error(self, exc: HTTPProblem) -> None:
         """An error after streaming began: one error event (the stream then ends)."""
         body = {"error": {"message": exc.message, "type": exc.kind, "code": exc.status}}
@@ -486,6 +513,7 @@ class _Flow:
         self.prefill_first: serving_pb2.PrefillFirstToken | None = None
         self.prefill_reply: serving_pb2.PrefillReply | None = None
         self.marks: dict[str, float] = {}  # gateway-side intervals, seconds
+        self.client_gone = False  # the streaming client disconnected before the end
 
     async def collect(self) -> Outcome:
         """Run to completion (non-streaming)."""
@@ -493,7 +521,7 @@ class _Flow:
             pass
         return self.outcome
 
-    async def events(self) -> AsyncIterator[int]:
+    async def events(self) -> AsyncGenerator[int, None]:
         """Generated tokens in order; raises HTTPProblem on failure."""
         d = self.decision.decode
         d.in_flight += 1
@@ -501,15 +529,21 @@ class _Flow:
         outcome_label = "error"
         try:
             gen = self._generate_request()
+            # aclosing: when the client leaves, closing this generator cancels the gRPC calls
+            # at once (not whenever the garbage collector finalises the inner generators).
             if self.decision.route == "disaggregated" and self.decision.prefill is not None:
-                async for token in self._prefill(self.decision.prefill, gen):
-                    yield token
+                async with contextlib.aclosing(self._prefill(self.decision.prefill, gen)) as pf:
+                    async for token in pf:
+                        yield token
             if self.decision.degrade_reason:
                 gen.degrade_reason = self.decision.degrade_reason
-            async for token in self._decode(gen):
-                yield token
+            async with contextlib.aclosing(self._decode(gen)) as dec:
+                async for token in dec:
+                    yield token
             outcome_label = "degraded" if self.outcome.pdx.get("degraded") else "ok"
         finally:
+            if self.client_gone:
+                outcome_label = "client_disconnect"
             d.in_flight -= 1
             self.gw.metrics.in_flight.labels(d.name).set(d.in_flight)
             route = self.outcome.pdx.get("route", self.decision.route)
@@ -527,7 +561,7 @@ class _Flow:
 
     async def _prefill(
         self, p: PrefillInstance, gen: serving_pb2.GenerateRequest
-    ) -> AsyncIterator[int]:
+    ) -> AsyncGenerator[int, None]:
         """Yield prefill's first token the moment it arrives; fill in the kv_id once stored.
 
         The client gets the first token while prefill still encodes and stores the KV, so the
@@ -573,7 +607,7 @@ class _Flow:
         self.decision.degrade_reason = reason
         self.decision.route = "local"
 
-    async def _decode(self, gen: serving_pb2.GenerateRequest) -> AsyncIterator[int]:
+    async def _decode(self, gen: serving_pb2.GenerateRequest) -> AsyncGenerator[int, None]:
         d = self.decision.decode
         sent = time.perf_counter()
         call = d.stub.Generate(gen, timeout=self.gw.cfg.request_timeout_s)

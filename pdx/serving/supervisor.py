@@ -230,13 +230,17 @@ class Deployment:
         from pdx.faults.api import ControlServer
         from pdx.faults.proxy import FaultProxy
 
+        # The proxy listens on the decode side (this process's namespace, where decode's
+        # KV reads start) and forwards to the prefill site, so it also works when prefill
+        # sits in another namespace whose address this one cannot bind.
+        kv = self.cfg.kv
         for child in self.children:
             if child.role == "prefill":
-                host = self.cfg.prefill.host
-                proxy = FaultProxy((host, 0), (host, int(child.info["kv_port"])))
+                upstream = (self.cfg.prefill.host, int(child.info["kv_port"]))
+                proxy = FaultProxy((kv.proxy_host, 0), upstream)
                 await proxy.start()
                 self.proxies.append(proxy)
-                control = ControlServer(proxy, "127.0.0.1", 0)
+                control = ControlServer(proxy, kv.proxy_control_host, 0)
                 await control.start()
                 self.controls.append(control)
 

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from hypothesis import given
@@ -142,3 +145,26 @@ def test_byte_tokenizer_round_trips(text: str) -> None:
     ids = tok.encode(text)
     assert all(4 <= i < 260 for i in ids)
     assert tok.decode(ids) == text
+
+
+def test_tiny_presets_import_without_torch() -> None:
+    """Reading the preset dicts (pdx accept's pre-flight does) must not import torch."""
+    code = (
+        "import sys\n"
+        "from pdx.serving.backends.presets import TINY_PRESETS, tiny_config_json\n"
+        "import pdx.accept.preflight\n"
+        "assert tiny_config_json('tiny-llama')['num_key_value_heads'] == 2\n"
+        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
+        "print(','.join(heavy) or 'none')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "none"
+
+
+def test_old_preset_import_path_still_works() -> None:
+    from pdx.serving.backends import presets, transformers_backend
+
+    assert transformers_backend.TINY_PRESETS is presets.TINY_PRESETS
+    with pytest.raises(InputError, match=r"model\.preset"):
+        presets.tiny_preset_config("no-such-model")

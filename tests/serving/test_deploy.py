@@ -52,6 +52,18 @@ def test_bad_yaml_file_names_every_problem(tmp_path: Path) -> None:
     assert "decode.max_batch" in result.output and "router.degrade_p99_ms" in result.output
 
 
+def test_loopback_proxy_with_decode_in_another_namespace_is_refused() -> None:
+    sets = ["kv.via_proxy=true", "decode.netns=pdx-decode", "tls.enabled=false"]
+    result = runner.invoke(app, ["deploy", *[a for s in sets for a in ("--set", s)]])
+    assert result.exit_code == 2, result.output
+    assert "kv.proxy_host: 127.0.0.1 is loopback" in result.output
+    assert "Traceback" not in result.output
+    # Run in the decode namespace (decode.netns unset), loopback is the decode side: accepted.
+    cfg = load_deploy_config(dotted=["kv.via_proxy=true", "prefill.netns=pdx-prefill",
+                                     "prefill.host=10.77.1.1", "tls.enabled=false"])  # fmt: skip
+    assert cfg.kv.proxy_host == "127.0.0.1" and cfg.kv.proxy_control_host == "127.0.0.1"
+
+
 def test_print_config_round_trips(tmp_path: Path) -> None:
     result = runner.invoke(app, ["deploy", "--print-config", "--set", "decode.count=3"])
     assert result.exit_code == 0
@@ -252,3 +264,66 @@ async def test_a_child_past_its_restart_budget_fails_the_deployment_loudly() -> 
     finally:
         await dep.stop()
     assert not alive(pid)
+
+
+PROXY_CLIENT = """
+import json, sys, urllib.request
+url, control = sys.argv[1], sys.argv[2]
+def post(where, body):
+    req = urllib.request.Request(where, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return json.load(r)
+def ask(route):
+    return post(url, {"prompt": "across two sites", "max_tokens": 12, "pdx_route": route,
+                      "return_token_ids": True, "ignore_eos": True})
+out = {"local": ask("local"), "through_proxy": ask("disaggregated")}
+with urllib.request.urlopen(control + "/stats", timeout=10) as r:
+    out["stats"] = json.load(r)
+post(control + "/link/down", {"mode": "reset"})
+out["link_down"] = ask("disaggregated")
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.system
+async def test_kv_fault_proxy_binds_on_the_decode_side_under_netns() -> None:
+    from pdx.faults.netns import down, make_config, up
+
+    net = make_config(prefix="pdxpx", rate_mbit=1000)
+    await asyncio.to_thread(up, net)
+    in_decode = ["ip", "netns", "exec", net.decode, sys.executable]
+    cmd = [*in_decode, "-c", "from pdx.cli.main import main; main()", "deploy", "--port", "0",
+           "--json", "--set", f"prefill.netns={net.prefill}", "--set", "prefill.host=10.77.1.1",
+           "--set", "tls.enabled=false", "--set", "kv.via_proxy=true",
+           "--set", "kv.kv_transfer_timeout_ms=5000"]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        ep = await asyncio.to_thread(read_endpoints, proc)
+        (proxy,) = ep["proxies"]
+        kv_port = int(ep["prefill"][0]["kv_endpoint"].rsplit(":", 1)[1])
+        assert proxy["listen"].startswith("127.0.0.1:")
+        assert proxy["upstream"] == ["10.77.1.1", kv_port]
+        client = await asyncio.to_thread(
+            subprocess.run, [*in_decode, "-c", PROXY_CLIENT, ep["gateway"] + "/v1/completions",
+                             proxy["control"]],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert client.returncode == 0, client.stderr
+        out = json.loads(client.stdout)
+        ok, cut, local = out["through_proxy"], out["link_down"], out["local"]
+        assert ok["pdx"]["route"] == "disaggregated" and not ok["pdx"]["degraded"]
+        assert out["stats"]["bytes_in"]["downstream"] >= ok["pdx"]["kv_bytes"] > 0
+        assert cut["pdx"]["degraded"] and cut["pdx"]["route"] == "local"
+        want = local["choices"][0]["token_ids"]
+        assert ok["choices"][0]["token_ids"] == want == cut["choices"][0]["token_ids"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        await asyncio.to_thread(down, net)
+    assert rc == 0

@@ -2,6 +2,9 @@
 
 Tiny presets are random-weight models built from a config with a fixed seed, so a prefill
 process and a decode process build bit-identical weights without downloading anything.
+
+
+``TINY_PRESETS`` lives in :mod:`pdx.serving.backends.presets` (torch-free) and is re-exported here.
 """
 
 from __future__ import annotations
@@ -16,38 +19,10 @@ import torch.nn.functional as F
 
 from pdx.errors import InputError
 from pdx.serving.backends.base import BackendConfig, KVState, ModelBackend, register_backend
+from pdx.serving.backends.presets import TINY_PRESETS, tiny_preset_config
 from pdx.serving.backends.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
-# Tiny configs (Llama architecture) sized so a CPU runs a forward pass in milliseconds.
-# Vocabulary 260 = 4 special ids + 256 byte ids (see ByteTokenizer).
-TINY_PRESETS: dict[str, dict[str, Any]] = {
-    "tiny-llama": {
-        "vocab_size": 260,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 1024,
-        "initializer_range": 0.2,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-    },
-    "tiny-llama-mha": {
-        "vocab_size": 260,
-        "hidden_size": 128,
-        "intermediate_size": 256,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "max_position_embeddings": 2048,
-        "initializer_range": 0.2,
-        "tie_word_embeddings": False,
-        "bos_token_id": 0,
-        "eos_token_id": 1,
-    },
-}
+__all__ = ["TINY_PRESETS", "TransformersBackend"]
 
 
 def _pick_device(choice: str) -> torch.device:
@@ -90,10 +65,9 @@ class TransformersBackend(ModelBackend):
     def _build_tiny(self, preset: str, seed: int) -> tuple[Any, Tokenizer]:
         from transformers import LlamaConfig, LlamaForCausalLM
 
-        if preset not in TINY_PRESETS:
-            raise InputError("model.preset", preset, f"one of {', '.join(TINY_PRESETS)}")
+        config = tiny_preset_config(preset)
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(LlamaConfig(**TINY_PRESETS[preset]))
+        model = LlamaForCausalLM(LlamaConfig(**config))
         return model.float(), ByteTokenizer()
 
     def _load_checkpoint(self, path: Path) -> tuple[Any, Tokenizer]:

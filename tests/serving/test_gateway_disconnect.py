@@ -1,0 +1,96 @@
+"""A streaming client that goes away mid-stream: generation stops, it is counted, no traceback.
+
+Prefill, decode and gateway run in this process (real gRPC and HTTP on loopback, real tiny
+model). The client reads the first server-sent event and drops the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from pdx.serving.backends.tokenizer import ByteTokenizer
+from pdx.serving.decode import DecodeNode
+from pdx.serving.deploy_config import NodeOptions, load_deploy_config
+from pdx.serving.gateway import Gateway, build_gateway
+from pdx.serving.prefill import PrefillNode
+
+SETS = ["router.local_prefill_max_tokens=8"]
+PROMPT = "a prompt long enough to ship over the link"
+MAX_TOKENS = 600  # far more than can stream before the disconnect is seen
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[tuple[Gateway, DecodeNode]]:
+    cfg = load_deploy_config(dotted=SETS)
+    prefill = await PrefillNode.start(cfg, NodeOptions())
+    decode = await DecodeNode.start(cfg, NodeOptions())
+    gw = build_gateway(
+        cfg, [("prefill-0", f"127.0.0.1:{prefill.port}")],
+        [("decode-0", f"127.0.0.1:{decode.port}")], tls=None, tokenizer=ByteTokenizer(),
+        max_context_tokens=1024, model_name="tiny-llama",
+    )  # fmt: skip
+    await gw.start("127.0.0.1", 0)
+    yield gw, decode
+    await gw.stop()
+    await decode.stop(0.5)
+    await prefill.stop(0.5)
+
+
+def sample(gw: Gateway, name: str, **labels: str) -> float:
+    value = gw.metrics.registry.get_sample_value(name, labels)
+    return 0.0 if value is None else value
+
+
+async def until(check: Any, timeout_s: float = 10.0) -> None:
+    """Poll ``check()`` until true (bounded)."""
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.02)
+
+
+@pytest.mark.parametrize("route", ["disaggregated", "local"])
+async def test_client_disconnect_mid_stream_stops_generation(
+    pair: tuple[Gateway, DecodeNode], route: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    gw, decode = pair
+    engine = decode.engine
+    assert engine is not None
+    caplog.set_level(logging.INFO)
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+            "pdx_route": route}  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(url, json=body)
+        assert r.status == 200
+        first = await r.content.readline()
+        assert first.startswith(b"data: {")
+        r.close()  # drop the connection after the first event
+
+        await until(lambda: sample(gw, "pdx_gateway_client_disconnects_total", route=route) == 1)
+        await until(lambda: gw.router.decodes[0].in_flight == 0 and engine.admitted == 0)
+        assert not engine.running and not engine.joining
+        assert sample(gw, "pdx_gateway_in_flight", instance="decode-0") == 0
+        assert sample(gw, "pdx_gateway_requests_total", route=route,
+                      outcome="client_disconnect") == 1  # fmt: skip
+        assert all(p.in_flight == 0 for p in gw.router.prefills)
+
+        # The next request is served in full.
+        again = {**body, "stream": False, "max_tokens": 5}
+        async with s.post(url, json=again) as r2:
+            assert r2.status == 200
+            data = await r2.json()
+            assert data["usage"]["completion_tokens"] == 5
+
+    assert "Traceback" not in caplog.text
+    assert not [rec for rec in caplog.records if rec.exc_info or rec.levelno >= logging.ERROR]
+    gone = [rec for rec in caplog.records if "client disconnected mid-stream" in rec.message]
+    assert len(gone) == 1 and gone[0].levelno == logging.INFO
+    assert any(f"{n} tokens" in gone[0].message for n in range(1, MAX_TOKENS))
