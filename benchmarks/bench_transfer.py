@@ -4,6 +4,9 @@ For each chunk size (256 KiB - 8 MiB) and TLS off/on: one iperf3 single-stream T
 on loopback, then ``kv-bench`` (store in its own process, Put then Get of one object,
 checksums always on). Ratio = KV goodput / iperf3 goodput of the same round; the
 summary quotes medians over rounds. Goals: >= 0.90x without TLS, >= 0.60x with TLS.
+Each row also gives CPU-seconds per GB, both ends together, for iperf3 (its own
+accounting), Put and Get (client and store processes, all threads): on a shared machine
+goodput swings with other load, CPU per GB much less, and it shows where the gap is.
 
     python benchmarks/bench_transfer.py [--bytes 256MB] [--rounds 3] [--json]
 """
@@ -62,8 +65,8 @@ def _wait_listening(port: int, timeout_s: float = 5.0) -> None:
     raise RuntimeError("iperf3 server did not start")
 
 
-def iperf3_gbytes_per_s(iperf3: str, seconds: int = 2) -> float:
-    """Single-stream TCP goodput on loopback (receiver side), GB/s."""
+def iperf3_run(iperf3: str, seconds: int = 2) -> tuple[float, float]:
+    """Single-stream TCP on loopback: (goodput GB/s at the receiver, CPU-s per GB, both ends)."""
     port = _free_port()
     server = subprocess.Popen(
         [iperf3, "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
@@ -77,10 +80,20 @@ def iperf3_gbytes_per_s(iperf3: str, seconds: int = 2) -> float:
             text=True,
             timeout=seconds + 30,
         )
-        return float(json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]) / 8e9
     finally:
         server.kill()
         server.wait()
+    end = json.loads(out.stdout)["end"]
+    recv = end["sum_received"]
+    cpu = end["cpu_utilization_percent"]
+    gb = recv["bytes"] / 1e9
+    cpu_s = (cpu["host_total"] + cpu["remote_total"]) / 100 * recv["seconds"]
+    return float(recv["bits_per_second"]) / 8e9, cpu_s / gb
+
+
+def iperf3_gbytes_per_s(iperf3: str, seconds: int = 2) -> float:
+    """Single-stream TCP goodput on loopback (receiver side), GB/s."""
+    return iperf3_run(iperf3, seconds)[0]
 
 
 def main() -> None:
@@ -88,7 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bytes", default="256MB")
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--streams", type=int, default=2)
+    ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--connections", type=int, default=1)
     ap.add_argument("--chunk-kb", type=int, nargs="*", default=list(CHUNK_KB))
     ap.add_argument("--json", action="store_true")
@@ -98,9 +111,9 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for tls in (False, True):
         for chunk_kb in args.chunk_kb:
-            rounds = []
+            rounds, cpus = [], []
             for _ in range(args.rounds):
-                ref = iperf3_gbytes_per_s(iperf3) if iperf3 else None
+                ref, ref_cpu = iperf3_run(iperf3) if iperf3 else (None, None)
                 r = run_bench(
                     total,
                     chunk_kb=chunk_kb,
@@ -110,7 +123,11 @@ def main() -> None:
                     repeat=1,
                 )
                 rounds.append((ref, r.put_gbytes_per_s, r.get_gbytes_per_s))
+                cpus.append(
+                    (ref_cpu, _cpu_total(r.put_cpu_s_per_gb), _cpu_total(r.get_cpu_s_per_gb))
+                )
             rows.append(_row(chunk_kb, tls, rounds))
+            rows[-1].update(_cpu_row(cpus))
             if not args.json:
                 _print_row(rows[-1], first=len(rows) == 1)
     summary = _summary(rows)
@@ -141,10 +158,25 @@ def _row(
     return row
 
 
+def _cpu_total(per_side: dict[str, float]) -> float | None:
+    """Client + store CPU-s per GB, or None if the store's share is unknown."""
+    return per_side["client"] + per_side["store"] if "store" in per_side else None
+
+
+def _cpu_row(cpus: list[tuple[float | None, float | None, float | None]]) -> dict[str, Any]:
+    """Median CPU-seconds per GB (both ends together) of iperf3, Put and Get."""
+    out: dict[str, Any] = {}
+    for k, key in enumerate(("iperf3_cpu_s_per_gb", "put_cpu_s_per_gb", "get_cpu_s_per_gb")):
+        vals = [c[k] for c in cpus if c[k] is not None]
+        out[key] = round(statistics.median(vals), 3) if vals else None
+    return out
+
+
 def _print_row(row: dict[str, Any], first: bool) -> None:
     if first:
         head = ("chunk", "tls", "iperf3", "put", "get", "put/iperf", "get/iperf")
-        print("{:>7} {:>4} {:>8} {:>7} {:>7} {:>9} {:>9}".format(*head))
+        print("{:>7} {:>4} {:>8} {:>7} {:>7} {:>9} {:>9}".format(*head), end="")
+        print("        CPU-s/GB: iperf3   put   get")
     ref = row["iperf3_gbytes_per_s"]
     nan = float("nan")
     print(
@@ -152,8 +184,14 @@ def _print_row(row: dict[str, Any], first: bool) -> None:
         f"{(f'{ref:.2f}' if ref else '-'):>8} "
         f"{row['put_gbytes_per_s']:>7.2f} {row['get_gbytes_per_s']:>7.2f} "
         f"{row.get('put_ratio', nan):>9.2f} {row.get('get_ratio', nan):>9.2f}  GB/s"
+        f"  {_fmt(row.get('iperf3_cpu_s_per_gb')):>15} {_fmt(row.get('put_cpu_s_per_gb')):>5} "
+        f"{_fmt(row.get('get_cpu_s_per_gb')):>5}"
     )
     sys.stdout.flush()
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
 
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\tpdx.kv.v1\"\x1b\n\x0bTensorShape\x12\x0c\n\x04\x64ims\x18\x01 \x03(\x03\"\x87\x01\n\x06Layout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12&\n\x06shapes\x18\x03 \x03(\x0b\x32\x16.pdx.kv.v1.TensorShape\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x14\n\x0ctensor_bytes\x18\x05 \x03(\x04\x12\r\n\x05roles\x18\x06 \x03(\t\"\x82\x02\n\nObjectInfo\x12\r\n\x05kv_id\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x03 \x01(\x03\x12\r\n\x05ttl_s\x18\x04 \x01(\r\x12!\n\x06layout\x18\x05 \x01(\x0b\x32\x11.pdx.kv.v1.Layout\x12\x12\n\nsize_bytes\x18\x06 \x01(\x04\x12\x18\n\x10\x63hunk_size_bytes\x18\x07 \x01(\r\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12\x15\n\robject_digest\x18\t \x01(\x06\x12\x15\n\rexpires_at_ms\x18\n \x01(\x03\x12\x15\n\rchunk_digests\x18\x0b \x03(\x06\"4\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xc4\x01\n\tPutHeader\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\r\x12!\n\x06layout\x18\x03 \x01(\x0b\x32\x11.pdx.kv.v1.Layout\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x18\n\x10\x63hunk_size_bytes\x18\x05 \x01(\r\x12\x15\n\robject_digest\x18\x06 \x01(\x06\x12\x14\n\x0cupload_token\x18\x07 \x01(\x0c\x12\x13\n\x0bstart_chunk\x18\x08 \x01(\r\"^\n\nPutRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdx.kv.v1.PutHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.pdx.kv.v1.ChunkH\x00\x42\x05\n\x03msg\"J\n\x0bPutResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdx.kv.v1.ObjectInfo\x12\x16\n\x0emissing_chunks\x18\x02 \x01(\r\"A\n\nGetRequest\x12\r\n\x05kv_id\x18\x01 \x01(\t\x12\x12\n\nfrom_chunk\x18\x02 \x01(\r\x12\x10\n\x08to_chunk\x18\x03 \x01(\r\"^\n\x0bGetResponse\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdx.kv.v1.ObjectInfoH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.pdx.kv.v1.ChunkH\x00\x42\x05\n\x03msg\"\x1f\n\x0eReleaseRequest\x12\r\n\x05kv_id\x18\x01 \x01(\t\"<\n\x0fReleaseResponse\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12\x15\n\robject_digest\x18\x02 \x01(\x06\".\n\x0cRenewRequest\x12\r\n\x05kv_id\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\r\"4\n\rRenewResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdx.kv.v1.ObjectInfo\"\x1c\n\x0bStatRequest\x12\r\n\x05kv_id\x18\x01 \x01(\t\"3\n\x0cStatResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdx.kv.v1.ObjectInfo*\xf8\x01\n\x0bKVErrorCode\x12\x18\n\x14KV_ERROR_UNSPECIFIED\x10\x00\x12\x10\n\x0cKV_NOT_FOUND\x10\x01\x12\x0e\n\nKV_EXPIRED\x10\x02\x12\x0e\n\nKV_CORRUPT\x10\x03\x12\x0e\n\nKV_TIMEOUT\x10\x04\x12\x1a\n\x16RETRY_BUDGET_EXHAUSTED\x10\x05\x12\x11\n\rKV_OVERLOADED\x10\x06\x12\x11\n\rKV_STORE_FULL\x10\x07\x12\x0e\n\nKV_INVALID\x10\x08\x12\x12\n\x0eKV_UNAVAILABLE\x10\t\x12\x16\n\x12KV_UNAUTHENTICATED\x10\n\x12\x0f\n\x0bKV_INTERNAL\x10\x0b\x32\xb0\x02\n\x07KVStore\x12\x36\n\x03Put\x12\x15.pdx.kv.v1.PutRequest\x1a\x16.pdx.kv.v1.PutResponse(\x01\x12\x36\n\x03Get\x12\x15.pdx.kv.v1.GetRequest\x1a\x16.pdx.kv.v1.GetResponse0\x01\x12@\n\x07Release\x12\x19.pdx.kv.v1.ReleaseRequest\x1a\x1a.pdx.kv.v1.ReleaseResponse\x12:\n\x05Renew\x12\x17.pdx.kv.v1.RenewRequest\x1a\x18.pdx.kv.v1.RenewResponse\x12\x37\n\x04Stat\x12\x16.pdx.kv.v1.StatRequest\x1a\x17.pdx.kv.v1.StatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x11kv_transfer.proto\x12\tpdx.kv.v1\"\x1b\n\x0bTensorShape\x12\x0c\n\x04\x64ims\x18\x01 \x03(\x03\"\x87\x01\n\x06Layout\x12\x12\n\nnum_layers\x18\x01 \x01(\r\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12&\n\x06shapes\x18\x03 \x03(\x0b\x32\x16.pdx.kv.v1.TensorShape\x12\r\n\x05\x63odec\x18\x04 \x01(\t\x12\x14\n\x0ctensor_bytes\x18\x05 \x03(\x04\x12\r\n\x05roles\x18\x06 \x03(\t\"\x82\x02\n\nObjectInfo\x12\r\n\x05kv_id\x18\x01 \x01(\t\x12\x15\n\rmodel_version\x18\x02 \x01(\t\x12\x15\n\rcreated_at_ms\x18\x03 \x01(\x03\x12\r\n\x05ttl_s\x18\x04 \x01(\r\x12!\n\x06layout\x18\x05 \x01(\x0b\x32\x11.pdx.kv.v1.Layout\x12\x12\n\nsize_bytes\x18\x06 \x01(\x04\x12\x18\n\x10\x63hunk_size_bytes\x18\x07 \x01(\r\x12\x12\n\nnum_chunks\x18\x08 \x01(\r\x12\x15\n\robject_digest\x18\t \x01(\x06\x12\x15\n\rexpires_at_ms\x18\n \x01(\x03\x12\x15\n\rchunk_digests\x18\x0b \x03(\x06\"4\n\x05\x43hunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0e\n\x06\x64igest\x18\x02 \x01(\x06\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"\xdf\x01\n\tPutHeader\x12\x15\n\rmodel_version\x18\x01 \x01(\t\x12\r\n\x05ttl_s\x18\x02 \x01(\r\x12!\n\x06layout\x18\x03 \x01(\x0b\x32\x11.pdx.kv.v1.Layout\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\x18\n\x10\x63hunk_size_bytes\x18\x05 \x01(\r\x12\x15\n\robject_digest\x18\x06 \x01(\x06\x12\x14\n\x0cupload_token\x18\x07 \x01(\x0c\x12\x13\n\x0bstart_chunk\x18\x08 \x01(\r\x12\x19\n\x11\x64igest_in_trailer\x18\t \x01(\x08\"#\n\nPutTrailer\x12\x15\n\robject_digest\x18\x01 \x01(\x06\"\x88\x01\n\nPutRequest\x12&\n\x06header\x18\x01 \x01(\x0b\x32\x14.pdx.kv.v1.PutHeaderH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.pdx.kv.v1.ChunkH\x00\x12(\n\x07trailer\x18\x03 \x01(\x0b\x32\x15.pdx.kv.v1.PutTrailerH\x00\x42\x05\n\x03msg\"J\n\x0bPutResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdx.kv.v1.ObjectInfo\x12\x16\n\x0emissing_chunks\x18\x02 \x01(\r\"A\n\nGetRequest\x12\r\n\x05kv_id\x18\x01 \x01(\t\x12\x12\n\nfrom_chunk\x18\x02 \x01(\r\x12\x10\n\x08to_chunk\x18\x03 \x01(\r\"^\n\x0bGetResponse\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdx.kv.v1.ObjectInfoH\x00\x12!\n\x05\x63hunk\x18\x02 \x01(\x0b\x32\x10.pdx.kv.v1.ChunkH\x00\x42\x05\n\x03msg\"\x1f\n\x0eReleaseRequest\x12\r\n\x05kv_id\x18\x01 \x01(\t\"<\n\x0fReleaseResponse\x12\x12\n\nsize_bytes\x18\x01 \x01(\x04\x12\x15\n\robject_digest\x18\x02 \x01(\x06\".\n\x0cRenewRequest\x12\r\n\x05kv_id\x18\x01 \x01(\t\x12\x0f\n\x07lease_s\x18\x02 \x01(\r\"4\n\rRenewResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdx.kv.v1.ObjectInfo\"\x1c\n\x0bStatRequest\x12\r\n\x05kv_id\x18\x01 \x01(\t\"3\n\x0cStatResponse\x12#\n\x04info\x18\x01 \x01(\x0b\x32\x15.pdx.kv.v1.ObjectInfo*\xf8\x01\n\x0bKVErrorCode\x12\x18\n\x14KV_ERROR_UNSPECIFIED\x10\x00\x12\x10\n\x0cKV_NOT_FOUND\x10\x01\x12\x0e\n\nKV_EXPIRED\x10\x02\x12\x0e\n\nKV_CORRUPT\x10\x03\x12\x0e\n\nKV_TIMEOUT\x10\x04\x12\x1a\n\x16RETRY_BUDGET_EXHAUSTED\x10\x05\x12\x11\n\rKV_OVERLOADED\x10\x06\x12\x11\n\rKV_STORE_FULL\x10\x07\x12\x0e\n\nKV_INVALID\x10\x08\x12\x12\n\x0eKV_UNAVAILABLE\x10\t\x12\x16\n\x12KV_UNAUTHENTICATED\x10\n\x12\x0f\n\x0bKV_INTERNAL\x10\x0b\x32\xb0\x02\n\x07KVStore\x12\x36\n\x03Put\x12\x15.pdx.kv.v1.PutRequest\x1a\x16.pdx.kv.v1.PutResponse(\x01\x12\x36\n\x03Get\x12\x15.pdx.kv.v1.GetRequest\x1a\x16.pdx.kv.v1.GetResponse0\x01\x12@\n\x07Release\x12\x19.pdx.kv.v1.ReleaseRequest\x1a\x1a.pdx.kv.v1.ReleaseResponse\x12:\n\x05Renew\x12\x17.pdx.kv.v1.RenewRequest\x1a\x18.pdx.kv.v1.RenewResponse\x12\x37\n\x04Stat\x12\x16.pdx.kv.v1.StatRequest\x1a\x17.pdx.kv.v1.StatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kv_transfer_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVERRORCODE']._serialized_start=1329
-  _globals['_KVERRORCODE']._serialized_end=1577
+  _globals['_KVERRORCODE']._serialized_start=1436
+  _globals['_KVERRORCODE']._serialized_end=1684
   _globals['_TENSORSHAPE']._serialized_start=32
   _globals['_TENSORSHAPE']._serialized_end=59
   _globals['_LAYOUT']._serialized_start=62
@@ -42,27 +42,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHUNK']._serialized_start=460
   _globals['_CHUNK']._serialized_end=512
   _globals['_PUTHEADER']._serialized_start=515
-  _globals['_PUTHEADER']._serialized_end=711
-  _globals['_PUTREQUEST']._serialized_start=713
-  _globals['_PUTREQUEST']._serialized_end=807
-  _globals['_PUTRESPONSE']._serialized_start=809
-  _globals['_PUTRESPONSE']._serialized_end=883
-  _globals['_GETREQUEST']._serialized_start=885
-  _globals['_GETREQUEST']._serialized_end=950
-  _globals['_GETRESPONSE']._serialized_start=952
-  _globals['_GETRESPONSE']._serialized_end=1046
-  _globals['_RELEASEREQUEST']._serialized_start=1048
-  _globals['_RELEASEREQUEST']._serialized_end=1079
-  _globals['_RELEASERESPONSE']._serialized_start=1081
-  _globals['_RELEASERESPONSE']._serialized_end=1141
-  _globals['_RENEWREQUEST']._serialized_start=1143
-  _globals['_RENEWREQUEST']._serialized_end=1189
-  _globals['_RENEWRESPONSE']._serialized_start=1191
-  _globals['_RENEWRESPONSE']._serialized_end=1243
-  _globals['_STATREQUEST']._serialized_start=1245
-  _globals['_STATREQUEST']._serialized_end=1273
-  _globals['_STATRESPONSE']._serialized_start=1275
-  _globals['_STATRESPONSE']._serialized_end=1326
-  _globals['_KVSTORE']._serialized_start=1580
-  _globals['_KVSTORE']._serialized_end=1884
+  _globals['_PUTHEADER']._serialized_end=738
+  _globals['_PUTTRAILER']._serialized_start=740
+  _globals['_PUTTRAILER']._serialized_end=775
+  _globals['_PUTREQUEST']._serialized_start=778
+  _globals['_PUTREQUEST']._serialized_end=914
+  _globals['_PUTRESPONSE']._serialized_start=916
+  _globals['_PUTRESPONSE']._serialized_end=990
+  _globals['_GETREQUEST']._serialized_start=992
+  _globals['_GETREQUEST']._serialized_end=1057
+  _globals['_GETRESPONSE']._serialized_start=1059
+  _globals['_GETRESPONSE']._serialized_end=1153
+  _globals['_RELEASEREQUEST']._serialized_start=1155
+  _globals['_RELEASEREQUEST']._serialized_end=1186
+  _globals['_RELEASERESPONSE']._serialized_start=1188
+  _globals['_RELEASERESPONSE']._serialized_end=1248
+  _globals['_RENEWREQUEST']._serialized_start=1250
+  _globals['_RENEWREQUEST']._serialized_end=1296
+  _globals['_RENEWRESPONSE']._serialized_start=1298
+  _globals['_RENEWRESPONSE']._serialized_end=1350
+  _globals['_STATREQUEST']._serialized_start=1352
+  _globals['_STATREQUEST']._serialized_end=1380
+  _globals['_STATRESPONSE']._serialized_start=1382
+  _globals['_STATRESPONSE']._serialized_end=1433
+  _globals['_KVSTORE']._serialized_start=1687
+  _globals['_KVSTORE']._serialized_end=1991
 # @@protoc_insertion_point(module_scope)

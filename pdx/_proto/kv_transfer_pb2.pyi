@@ -93,7 +93,7 @@ class Chunk(_message.Message):
     def __init__(self, index: _Optional[int] = ..., digest: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class PutHeader(_message.Message):
-    __slots__ = ("model_version", "ttl_s", "layout", "size_bytes", "chunk_size_bytes", "object_digest", "upload_token", "start_chunk")
+    __slots__ = ("model_version", "ttl_s", "layout", "size_bytes", "chunk_size_bytes", "object_digest", "upload_token", "start_chunk", "digest_in_trailer")
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TTL_S_FIELD_NUMBER: _ClassVar[int]
     LAYOUT_FIELD_NUMBER: _ClassVar[int]
@@ -102,6 +102,7 @@ class PutHeader(_message.Message):
     OBJECT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_TOKEN_FIELD_NUMBER: _ClassVar[int]
     START_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_IN_TRAILER_FIELD_NUMBER: _ClassVar[int]
     model_version: str
     ttl_s: int
     layout: Layout
@@ -110,15 +111,24 @@ class PutHeader(_message.Message):
     object_digest: int
     upload_token: bytes
     start_chunk: int
-    def __init__(self, model_version: _Optional[str] = ..., ttl_s: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., size_bytes: _Optional[int] = ..., chunk_size_bytes: _Optional[int] = ..., object_digest: _Optional[int] = ..., upload_token: _Optional[bytes] = ..., start_chunk: _Optional[int] = ...) -> None: ...
+    digest_in_trailer: bool
+    def __init__(self, model_version: _Optional[str] = ..., ttl_s: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., size_bytes: _Optional[int] = ..., chunk_size_bytes: _Optional[int] = ..., object_digest: _Optional[int] = ..., upload_token: _Optional[bytes] = ..., start_chunk: _Optional[int] = ..., digest_in_trailer: _Optional[bool] = ...) -> None: ...
+
+class PutTrailer(_message.Message):
+    __slots__ = ("object_digest",)
+    OBJECT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    object_digest: int
+    def __init__(self, object_digest: _Optional[int] = ...) -> None: ...
 
 class PutRequest(_message.Message):
-    __slots__ = ("header", "chunk")
+    __slots__ = ("header", "chunk", "trailer")
     HEADER_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    TRAILER_FIELD_NUMBER: _ClassVar[int]
     header: PutHeader
     chunk: Chunk
-    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ...) -> None: ...
+    trailer: PutTrailer
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ..., chunk: _Optional[_Union[Chunk, _Mapping]] = ..., trailer: _Optional[_Union[PutTrailer, _Mapping]] = ...) -> None: ...
 
 class PutResponse(_message.Message):
     __slots__ = ("info", "missing_chunks")

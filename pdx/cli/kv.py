@@ -81,7 +81,11 @@ def kv_bench(
     codec: str = typer.Option(
         "raw", "--codec", help="Codec for a random bf16 tensor (raw: random bytes as they are)."
     ),
-    streams: int = typer.Option(2, "--streams", help="Parallel streams per object."),
+    streams: int = typer.Option(
+        1,
+        "--streams",
+        help="Parallel streams per object (1: digest sent last).",
+    ),
     connections: int = typer.Option(1, "--connections", help="TCP connections per client."),
     repeat: int = typer.Option(3, "--repeat", help="Runs; the median is reported."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),

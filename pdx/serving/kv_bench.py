@@ -72,6 +72,25 @@ class BenchResult:
     put_runs_gbytes_per_s: list[float] = field(default_factory=list)
     get_runs_gbytes_per_s: list[float] = field(default_factory=list)
     retries: int = 0
+    # CPU-seconds per GB moved (medians), client process and store process, all threads.
+    # Unlike goodput, these barely move when other work shares the machine.
+    put_cpu_s_per_gb: dict[str, float] = field(default_factory=dict)
+    get_cpu_s_per_gb: dict[str, float] = field(default_factory=dict)
+
+
+def process_cpu_s(pid: int | None = None) -> float | None:
+    """CPU seconds (user + system, all threads) used so far by ``pid`` (default: this one).
+
+    Another process's time comes from ``/proc``; None where that is not available.
+    """
+    if pid is None:
+        return time.process_time()
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
 
 
 def _payload(total_bytes: int, codec: str) -> tuple[bytes, Any]:
@@ -124,8 +143,38 @@ class StoreProcess:
                 self.proc.wait()
 
 
+class _CpuMeter:
+    """CPU seconds per GB of one phase, for this process and the store process."""
+
+    def __init__(self, store_pid: int) -> None:
+        self.store_pid = store_pid
+        self.samples: dict[str, list[tuple[float, float | None]]] = {"put": [], "get": []}
+        self._start: tuple[float, float | None] = (0.0, None)
+
+    def start(self) -> None:
+        """Mark the beginning of a phase."""
+        self._start = (time.process_time(), process_cpu_s(self.store_pid))
+
+    def stop(self, phase: str, nbytes: int) -> None:
+        """Record the phase that began at :meth:`start`, moving ``nbytes``."""
+        client0, store0 = self._start
+        store1 = process_cpu_s(self.store_pid)
+        gb = nbytes / 1e9
+        store = (store1 - store0) / gb if store0 is not None and store1 is not None else None
+        self.samples[phase].append(((time.process_time() - client0) / gb, store))
+
+    def medians(self, phase: str) -> dict[str, float]:
+        """``{"client": .., "store": ..}`` medians (store omitted where unknown)."""
+        rows = self.samples[phase]
+        out = {"client": round(statistics.median(c for c, _ in rows), 3)}
+        stores = [s for _, s in rows if s is not None]
+        if stores:
+            out["store"] = round(statistics.median(stores), 3)
+        return out
+
+
 async def _rounds(
-    target: str, payload: bytes, layout: Any, cfg: Any, tls: Any, repeat: int
+    target: str, payload: bytes, layout: Any, cfg: Any, tls: Any, repeat: int, meter: _CpuMeter
 ) -> dict[str, Any]:
     from pdx.serving.kv_client import KVClient
 
@@ -138,17 +187,22 @@ async def _rounds(
         del back
         await kv.release(warm)
         for _ in range(repeat):
+            meter.start()
             t0 = time.perf_counter()
             kv_id = await kv.put(payload, layout)
+            put_s = time.perf_counter() - t0
+            meter.stop("put", len(payload))
+            meter.start()
             t1 = time.perf_counter()
             obj = await kv.get(kv_id)
-            t2 = time.perf_counter()
+            get_s = time.perf_counter() - t1
+            meter.stop("get", len(payload))
             if len(obj.data) != len(payload):
                 raise MeasurementError("kv-bench: object came back with the wrong size")
             del obj
             await kv.release(kv_id)
-            put_runs.append(len(payload) / (t1 - t0) / 1e9)
-            get_runs.append(len(payload) / (t2 - t1) / 1e9)
+            put_runs.append(len(payload) / put_s / 1e9)
+            get_runs.append(len(payload) / get_s / 1e9)
         retries = sum(r.retries for r in kv.records())
     return {"put": put_runs, "get": get_runs, "retries": retries}
 
@@ -194,9 +248,10 @@ def run_bench(
             args += ["--tls-dir", tmp]
             client_tls = TLSConfig(cert_dir=Path(tmp), name="decode")
         store = StoreProcess(args)
+        meter = _CpuMeter(store.proc.pid)
         try:
             runs = asyncio.run(
-                _rounds(f"127.0.0.1:{store.port}", payload, layout, cfg, client_tls, repeat)
+                _rounds(f"127.0.0.1:{store.port}", payload, layout, cfg, client_tls, repeat, meter)
             )
         finally:
             store.stop()
@@ -215,6 +270,8 @@ def run_bench(
         put_runs_gbytes_per_s=[round(x, 3) for x in runs["put"]],
         get_runs_gbytes_per_s=[round(x, 3) for x in runs["get"]],
         retries=runs["retries"],
+        put_cpu_s_per_gb=meter.medians("put"),
+        get_cpu_s_per_gb=meter.medians("get"),
     )
 
 
@@ -228,3 +285,8 @@ def render_bench(con: Any, r: BenchResult) -> None:
         f"{r.connections} connection(s), median of {r.repeat}"
     )
     con.print(f"  put {r.put_gbytes_per_s:.3f} GB/s   get {r.get_gbytes_per_s:.3f} GB/s")
+    cpu = [
+        f"{op} client {d['client']:.2f} store {d.get('store', float('nan')):.2f}"
+        for op, d in (("put", r.put_cpu_s_per_gb), ("get", r.get_cpu_s_per_gb))
+    ]
+    con.print(f"  CPU-s per GB: {'   '.join(cpu)}")

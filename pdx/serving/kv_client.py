@@ -358,22 +358,23 @@ class KVClient:
         size = len(view)
         chunk = self.cfg.chunk_size_bytes
         n = -(-size // chunk)
-        digests, whole = _digests(view, chunk, n)
         header = pb.PutHeader(
             model_version=model_version,
             ttl_s=ttl_s,
             layout=layout.to_proto(),
             size_bytes=size,
             chunk_size_bytes=chunk,
-            object_digest=whole,
             upload_token=secrets.token_bytes(16),
         )
         ranges = _split(n, self.cfg.streams)
+        if len(ranges) == 1:
+            # One stream sends every chunk in order: hash the object while streaming it
+            # and send the digest last, instead of reading the whole object once first.
+            header.digest_in_trailer = True
+        else:
+            header.object_digest = digest64(view)
         results = await asyncio.gather(
-            *(
-                self._put_range(req, k, header, view, digests, a, b)
-                for k, (a, b) in enumerate(ranges)
-            )
+            *(self._put_range(req, k, header, view, a, b) for k, (a, b) in enumerate(ranges))
         )
         done = [r for r in results if r.missing_chunks == 0]
         if not done:
@@ -386,32 +387,27 @@ class KVClient:
         k: int,
         header: pb.PutHeader,
         view: memoryview,
-        digests: list[int],
         start: int,
         end: int,
     ) -> pb.PutResponse:
         call = self._rpc(k, "stream_unary", "Put", response_deserializer=pb.PutResponse.FromString)
-        chunk = header.chunk_size_bytes
         first = start
+        hdr = pb.PutHeader()
+        hdr.CopyFrom(header)
         while True:
-            hdr = pb.PutHeader()
-            hdr.CopyFrom(header)
             hdr.start_chunk = first
+            gen = _put_messages(hdr, view, first, end)
 
-            async def messages(h: pb.PutHeader = hdr, a: int = first) -> AsyncIterator[bytes]:
-                yield pb.PutRequest(header=h).SerializeToString()
-                for i in range(a, end):
-                    yield encode_chunk(i, view[i * chunk : (i + 1) * chunk], digests[i])
-
-            async def once(
-                timeout_s: float, gen: Callable[[], AsyncIterator[bytes]] = messages
-            ) -> Any:
-                return await call(gen(), timeout=timeout_s, metadata=self._metadata)
+            async def once(timeout_s: float, messages: AsyncIterator[bytes] = gen) -> Any:
+                return await call(messages, timeout=timeout_s, metadata=self._metadata)
 
             try:
                 return await self._attempt(req, once)
             except KVError as exc:
                 await self._before_retry(req, exc)
+                if hdr.digest_in_trailer:  # a retry names the digest up front
+                    hdr.digest_in_trailer = False
+                    hdr.object_digest = digest64(view)
                 if exc.code is KVErrorCode.KV_CORRUPT and exc.resume_chunk is not None:
                     first = min(max(exc.resume_chunk, start), end)
                     req.resumed_chunks += first - start
@@ -574,15 +570,26 @@ class _Assembly:
         return KVError(KVErrorCode.KV_CORRUPT, where + why, kv_id=self.kv_id, resume_chunk=index)
 
 
-def _digests(view: memoryview, chunk: int, n: int) -> tuple[list[int], int]:
-    """Per-chunk digests and the whole-object digest, in one pass while chunks are hot."""
-    whole = xxhash.xxh3_64()
-    digests = []
-    for i in range(n):
-        part = view[i * chunk : (i + 1) * chunk]
-        digests.append(digest64(part))
-        whole.update(part)
-    return digests, whole.intdigest()
+async def _put_messages(
+    header: pb.PutHeader, view: memoryview, first: int, end: int
+) -> AsyncIterator[bytes]:
+    """A Put stream: header, chunks ``first .. end-1``, and the trailer if announced.
+
+    Each chunk is hashed just before it is copied into its message, so its bytes are
+    read from memory once for both; with ``digest_in_trailer`` the object digest grows
+    from the same, still cached, chunk.
+    """
+    yield pb.PutRequest(header=header).SerializeToString()
+    size = header.chunk_size_bytes
+    whole = xxhash.xxh3_64() if header.digest_in_trailer else None
+    for i in range(first, end):
+        part = view[i * size : (i + 1) * size]
+        if whole is not None:
+            whole.update(part)
+        yield encode_chunk(i, part)
+    if whole is not None:
+        trailer = pb.PutTrailer(object_digest=whole.intdigest())
+        yield pb.PutRequest(trailer=trailer).SerializeToString()
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

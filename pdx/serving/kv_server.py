@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdx._proto import kv_transfer_pb2 as pb
@@ -243,7 +244,11 @@ class KVService:
     async def _receive(self, obj: StoredObject, index: int, requests: AsyncIterator[bytes]) -> int:
         received = 0
         start = time.perf_counter()
+        trailer = False
         async for raw in requests:
+            if trailer or not is_chunk_message(raw):
+                trailer = self._trailer(obj, raw, trailer, index)
+                continue
             try:
                 chunk = parse_chunk(raw)
             except ValueError as exc:
@@ -265,6 +270,22 @@ class KVService:
             index += 1
         self._count("put", received, index, start)
         return received
+
+    def _trailer(self, obj: StoredObject, raw: bytes, seen: bool, index: int) -> bool:
+        """Take the object digest from a ``PutTrailer``: announced, once, and last."""
+        try:
+            msg = pb.PutRequest.FromString(raw)
+        except DecodeError:  # a garbled message: judged below like any non-trailer
+            msg = pb.PutRequest()
+        if seen or not obj.digest_pending or msg.WhichOneof("msg") != "trailer":
+            raise KVError(
+                KVErrorCode.KV_CORRUPT,
+                f"chunk {index}: not a chunk message",
+                kv_id=obj.kv_id,
+                resume_chunk=index,
+            )
+        self.store.set_object_digest(obj, msg.trailer.object_digest)
+        return True
 
     async def get(
         self, request: pb.GetRequest, context: grpc.aio.ServicerContext

@@ -54,8 +54,16 @@ def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
         shift += 7
 
 
-def encode_chunk(index: int, data: bytes | bytearray | memoryview, digest: int) -> bytes:
-    """The encoded ``PutRequest``/``GetResponse`` carrying chunk ``index`` with ``data``."""
+def encode_chunk(
+    index: int, data: bytes | bytearray | memoryview, digest: int | None = None
+) -> bytes:
+    """The encoded ``PutRequest``/``GetResponse`` carrying chunk ``index`` with ``data``.
+
+    ``digest`` defaults to :func:`digest64` of ``data``, computed here, just before the
+    chunk is sent, while its bytes are in cache for the copy that follows.
+    """
+    if digest is None:
+        digest = digest64(data)
     parts: list[bytes | bytearray | memoryview] = []
     if index:
         parts += [b"\x08", _varint(index)]

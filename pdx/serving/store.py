@@ -62,6 +62,7 @@ class StoredObject:
     readers: int = 0
     hasher: Any = field(default_factory=xxhash.xxh3_64)
     hashed: int = 0  # chunks [0, hashed) are in ``hasher``: the object digest grows in order
+    digest_pending: bool = False  # object_digest still to come in a PutTrailer
 
     def hash_prefix(self) -> None:
         """Feed every newly contiguous chunk into the running object digest."""
@@ -129,6 +130,7 @@ class KVStore:
             object_digest=header.object_digest,
             upload_token=header.upload_token,
             owner=owner,
+            digest_pending=header.digest_in_trailer,
             messages=[None] * n,
             data=[None] * n,
             digests=[0] * n,
@@ -157,18 +159,35 @@ class KVStore:
             problems.append("start_chunk > 0 needs an upload_token")
         if h.upload_token and len(h.upload_token) != 16:
             problems.append(f"upload_token: {len(h.upload_token)} bytes, expected 16")
+        if h.digest_in_trailer and (h.start_chunk or h.object_digest):
+            problems.append("digest_in_trailer needs start_chunk 0 and object_digest 0")
         if problems:
             raise KVError(KVErrorCode.KV_INVALID, "; ".join(problems))
 
-    @staticmethod
-    def _check_rejoin(obj: StoredObject, h: pb.PutHeader) -> None:
+    def _check_rejoin(self, obj: StoredObject, h: pb.PutHeader) -> None:
         same = (
             h.size_bytes == obj.size_bytes
             and h.chunk_size_bytes == obj.chunk_size_bytes
-            and h.object_digest == obj.object_digest
+            and not h.digest_in_trailer  # a rejoining stream names the digest up front
+            and (obj.digest_pending or h.object_digest == obj.object_digest)
         )
         if not same or h.start_chunk > obj.num_chunks:
             raise KVError(KVErrorCode.KV_INVALID, "upload_token reused for a different object")
+        if obj.digest_pending:  # the first stream meant to send it last, and did not get there
+            self.set_object_digest(obj, h.object_digest)
+
+    def set_object_digest(self, obj: StoredObject, digest: int) -> None:
+        """The object digest from a trailer (or a resumed stream's header)."""
+        if obj.digest_pending:
+            obj.object_digest = digest
+            obj.digest_pending = False
+        elif digest != obj.object_digest:
+            raise KVError(
+                KVErrorCode.KV_CORRUPT,
+                f"object digest {digest:016x} != header {obj.object_digest:016x}",
+                kv_id=obj.kv_id,
+                resume_chunk=0,
+            )
 
     def put_chunk(self, obj: StoredObject, chunk: ChunkView, message: bytes) -> None:
         """Verify one chunk (index, length, digest) and keep its message."""
@@ -200,6 +219,13 @@ class KVStore:
         missing = obj.missing()
         if missing:
             return missing
+        if obj.digest_pending:
+            self._drop_upload(obj, "no trailer")
+            raise KVError(
+                KVErrorCode.KV_INVALID,
+                "Put stream ended without the trailer its header announced",
+                kv_id=obj.kv_id,
+            )
         obj.hash_prefix()
         h = obj.hasher.intdigest()
         if h != obj.object_digest:

@@ -57,6 +57,9 @@ def test_kv_bench_json_runs_a_real_store_process() -> None:
     assert out["put_gbytes_per_s"] > 0 and out["get_gbytes_per_s"] > 0
     assert out["chunk_kb"] == 256 and out["checksums"] is True and out["tls"] is False
     assert out["payload_bytes"] == 16_000_000 and out["retries"] == 0
+    for phase in ("put_cpu_s_per_gb", "get_cpu_s_per_gb"):
+        # The store's share is read in clock ticks (10 ms): 16 MB may show as 0.
+        assert out[phase]["client"] > 0 and out[phase]["store"] >= 0
 
 
 @pytest.mark.slow
@@ -64,3 +67,21 @@ def test_kv_bench_with_tls() -> None:
     res = runner.invoke(app, ["kv-bench", "--bytes", "4MB", "--tls", "--repeat", "1", "--json"])
     assert res.exit_code == 0, res.output
     assert json.loads(res.stdout)["tls"] is True
+
+
+def test_process_cpu_s_reads_this_and_another_process() -> None:
+    import subprocess
+    import sys
+
+    from pdx.serving.kv_bench import process_cpu_s
+
+    mine = process_cpu_s()
+    assert mine is not None and mine > 0
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(5)"])
+    try:
+        other = process_cpu_s(child.pid)
+        assert other is not None and other >= 0
+    finally:
+        child.kill()
+        child.wait()
+    assert process_cpu_s(2**22 + 7) is None  # above Linux's pid_max: no such process

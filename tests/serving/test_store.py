@@ -139,3 +139,28 @@ def test_bad_headers_are_kv_invalid(field: str, value: object, needle: str) -> N
     with pytest.raises(KVError) as err:
         store.begin_put(h, "t")
     assert err.value.code is KVErrorCode.KV_INVALID and needle in str(err.value)
+
+
+def test_upload_announcing_a_trailer_resumes_with_the_digest_in_the_header() -> None:
+    store = KVStore(KVStoreConfig())
+    data = os.urandom(4 * CHUNK + 10)
+    token = secrets.token_bytes(16)
+    first = _header(data, token)
+    first.object_digest, first.digest_in_trailer = 0, True
+    obj = store.begin_put(first, "test")
+    for i in range(2):  # the first stream breaks after two chunks, before its trailer
+        msg = encode_chunk(i, data[i * CHUNK : (i + 1) * CHUNK])
+        store.put_chunk(obj, parse_chunk(msg), msg)
+    again = _header(data, token)
+    again.digest_in_trailer = True
+    with pytest.raises(KVError) as err:  # a rejoining stream must name the digest
+        store.begin_put(again, "test")
+    assert err.value.code is KVErrorCode.KV_INVALID
+    resumed = _header(data, token)
+    resumed.start_chunk = 2
+    assert store.begin_put(resumed, "test") is obj and not obj.digest_pending
+    for i in range(2, obj.num_chunks):
+        msg = encode_chunk(i, data[i * CHUNK : (i + 1) * CHUNK])
+        store.put_chunk(obj, parse_chunk(msg), msg)
+    assert store.finish_put(obj) == 0
+    assert b"".join(store.lookup(obj.kv_id).data) == data  # type: ignore[arg-type]
