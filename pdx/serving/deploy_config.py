@@ -52,10 +52,10 @@ class KVConfig(BaseModel):
     @field_validator("codec")
     @classmethod
     def _known_codec(cls, value: str) -> str:
-        from pdx.kv.codecs import codec_names
+        from pdx.kv.codecs import is_codec_name, valid_codec_names
 
-        if value not in codec_names():
-            raise ValueError(f"unknown codec; expected one of {', '.join(codec_names())}")
+        if not is_codec_name(value):
+            raise ValueError(f"unknown codec; expected one of {valid_codec_names()}")
         return value
 
 

@@ -24,7 +24,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from pdx._proto import serving_pb2, serving_pb2_grpc
-from pdx.kv.codecs import codec_names
+from pdx.kv.codecs import is_codec_name, valid_codec_names
 from pdx.serving.backends.tokenizer import Tokenizer
 from pdx.serving.contract import TLSConfig
 from pdx.serving.deploy_config import DeployConfig, GatewayConfig, local_prefill_threshold
@@ -337,9 +337,9 @@ class Gateway:
         if route not in ROUTES:
             raise HTTPProblem(400, f"pdx_route: got {route!r}, expected one of {ROUTES}", bad)
         kv_codec = _field(body, "pdx_kv_codec", str, "")
-        if kv_codec and kv_codec not in codec_names():
+        if kv_codec and not is_codec_name(kv_codec):
             raise HTTPProblem(
-                400, f"pdx_kv_codec: got {kv_codec!r}, expected one of {codec_names()}", bad
+                400, f"pdx_kv_codec: got {kv_codec!r}, expected one of {valid_codec_names()}", bad
             )
         if len(ids) + max_tokens > self.max_context_tokens:
             raise HTTPProblem(

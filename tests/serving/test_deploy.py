@@ -52,6 +52,13 @@ def test_bad_yaml_file_names_every_problem(tmp_path: Path) -> None:
     assert "decode.max_batch" in result.output and "router.degrade_p99_ms" in result.output
 
 
+def test_parametrised_codec_names_are_accepted() -> None:
+    """Any name get_codec understands (int4-g16: a group size not in the fixed list) is valid."""
+    assert load_deploy_config(dotted=["kv.codec=int4-g16"]).kv.codec == "int4-g16"
+    result = runner.invoke(app, ["deploy", "--set", "kv.codec=int4-gx"])
+    assert result.exit_code == 2 and "int{4|8}[-g<N>]" in result.output
+
+
 def test_loopback_proxy_with_decode_in_another_namespace_is_refused() -> None:
     sets = ["kv.via_proxy=true", "decode.netns=pdx-decode", "tls.enabled=false"]
     result = runner.invoke(app, ["deploy", *[a for s in sets for a in ("--set", s)]])

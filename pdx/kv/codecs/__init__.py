@@ -5,6 +5,22 @@ parameters travel in a header) and back. Lossless codecs round-trip exactly; los
 ones stay within the error bound they document.
 """
 
-from pdx.kv.codecs.base import KVCodec, Role, codec_names, get_codec, register_codec
+from pdx.kv.codecs.base import (
+    KVCodec,
+    Role,
+    codec_names,
+    get_codec,
+    is_codec_name,
+    register_codec,
+    valid_codec_names,
+)
 
-__all__ = ["KVCodec", "Role", "codec_names", "get_codec", "register_codec"]
+__all__ = [
+    "KVCodec",
+    "Role",
+    "codec_names",
+    "get_codec",
+    "is_codec_name",
+    "register_codec",
+    "valid_codec_names",
+]

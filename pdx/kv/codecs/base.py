@@ -142,6 +142,17 @@ def codec_patterns() -> list[str]:
     return [shown for _, shown, _ in _FAMILIES]
 
 
+def valid_codec_names() -> str:
+    """Every accepted name and name form, for error messages."""
+    return ", ".join([*codec_names(), *codec_patterns()])
+
+
+def is_codec_name(name: str) -> bool:
+    """Whether ``name`` is a registered codec or matches a parametrised form (``int4-g16``)."""
+    _load_builtin()
+    return name in _REGISTRY or any(p.fullmatch(name) for p, _, _ in _FAMILIES)
+
+
 def get_codec(name: str) -> KVCodec:
     """A codec instance by name; unknown names are an InputError listing the valid ones."""
     _load_builtin()
@@ -151,8 +162,7 @@ def get_codec(name: str) -> KVCodec:
         match = pattern.fullmatch(name)
         if match:
             return factory(match)
-    valid = ", ".join([*_REGISTRY, *codec_patterns()])
-    raise InputError("codec", name, f"one of {valid}")
+    raise InputError("codec", name, f"one of {valid_codec_names()}")
 
 
 def decode_any(data: bytes | memoryview) -> torch.Tensor:
