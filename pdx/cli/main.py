@@ -52,24 +52,10 @@ def _root(
 
 
 def _register() -> None:
-    """Attach every command module. Each module exposes ``register(app)``."""
-    import importlib
+    """Attach every command group; each module exposes ``register(app)`` and imports lazily."""
+    from pdx.cli import accept, deploy, faults, kv, measure_kv, probe, simulate
 
-    for name in (
-        "measure_kv",
-        "probe",
-        "faults",
-        "simulate",
-        "kv",
-        "deploy",
-        "accept",
-    ):
-        try:
-            module = importlib.import_module(f"pdx.cli.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name == f"pdx.cli.{name}":
-                continue  # that command group is not part of this build
-            raise
+    for module in (measure_kv, probe, faults, simulate, kv, deploy, accept):
         module.register(app)
 
 
