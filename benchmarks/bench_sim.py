@@ -11,7 +11,7 @@ import statistics
 import sys
 import time
 
-from pdx.sim.config import BRIEF_ILLUSTRATION, SimConfig
+from pdx.sim.config import PUBLISHED_ILLUSTRATION, SimConfig
 from pdx.sim.engine import run_mode
 from pdx.sim.runner import simulate
 from pdx.sim.workload import Workload, poisson_workload
@@ -23,11 +23,15 @@ def cluster_config(requests: int) -> SimConfig:
     """The illustration's model and prompt mix at cluster scale: 8 req/s over many instances."""
     return SimConfig.model_validate(
         {
-            **BRIEF_ILLUSTRATION,
+            **PUBLISHED_ILLUSTRATION,
             "prefill_instances": 16,
             "decode_instances": 24,
             "colocated_instances": 40,
-            "workload": {**BRIEF_ILLUSTRATION["workload"], "requests": requests, "rate_per_s": 8.0},
+            "workload": {
+                **PUBLISHED_ILLUSTRATION["workload"],
+                "requests": requests,
+                "rate_per_s": 8.0,
+            },
         }
     )
 
@@ -61,7 +65,10 @@ def per_step_loop(cfg: SimConfig, wl: Workload) -> int:
 
 def compare_small(repeats: int = 3) -> None:
     cfg = SimConfig.model_validate(
-        {**BRIEF_ILLUSTRATION, "workload": {**BRIEF_ILLUSTRATION["workload"], "requests": 400}}
+        {
+            **PUBLISHED_ILLUSTRATION,
+            "workload": {**PUBLISHED_ILLUSTRATION["workload"], "requests": 400},
+        }
     )
     wl = poisson_workload(cfg.workload)
     loop_s, engine_s = [], []

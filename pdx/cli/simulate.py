@@ -159,7 +159,7 @@ def simulate_cmd(
         None, "--config", help="YAML config (complete, or over --preset)."
     ),
     preset: str | None = typer.Option(
-        None, "--preset", help="Base parameters; default brief-illustration when no --config."
+        None, "--preset", help="Base parameters; default published-illustration when no --config."
     ),
     workload: Path | None = typer.Option(
         None, "--workload", help="JSONL trace: arrival_s, prompt_tokens, output_tokens."
@@ -225,7 +225,7 @@ def simulate_cmd(
     ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
-    """Simulate colocated vs disaggregated serving (default: the brief's illustration)."""
+    """Simulate colocated vs disaggregated serving (default: the published illustration)."""
     from pdx.sim.config import load_sim_config
 
     modes = {

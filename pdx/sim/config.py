@@ -117,8 +117,8 @@ class SimConfig(BaseModel):
         return self
 
 
-#: Parameters of the brief's illustration (70B fp16 model, 20 GB/s link).
-BRIEF_ILLUSTRATION: dict[str, Any] = {
+#: Parameters of the published illustration (70B fp16 model, 20 GB/s link).
+PUBLISHED_ILLUSTRATION: dict[str, Any] = {
     "prefill_flops": 2.0e15,
     "decode_hbm_bytes_per_s": 26.8e12,
     "weight_bytes": 140e9,
@@ -135,7 +135,7 @@ BRIEF_ILLUSTRATION: dict[str, Any] = {
     },
 }
 
-PRESETS: dict[str, dict[str, Any]] = {"brief-illustration": BRIEF_ILLUSTRATION}
+PRESETS: dict[str, dict[str, Any]] = {"published-illustration": PUBLISHED_ILLUSTRATION}
 
 #: Top-level numeric fields a sweep or find-min may vary.
 NUMERIC_FIELDS: tuple[str, ...] = tuple(
@@ -177,7 +177,7 @@ def load_sim_config(
         raise InputError("--preset", preset, f"one of {', '.join(sorted(PRESETS))}")
     base: dict[str, Any] = {}
     if preset is not None or config_path is None:
-        base = copy.deepcopy(PRESETS[preset or "brief-illustration"])
+        base = copy.deepcopy(PRESETS[preset or "published-illustration"])
     flags = {k: v for k, v in (overrides or {}).items() if v is not None}
     workload_flags = flags.pop("workload", None) or {}
     flags["workload"] = {k: v for k, v in workload_flags.items() if v is not None}
@@ -195,7 +195,7 @@ def load_sim_config(
 
 def _source_label(preset: str | None, config_path: str | None, env: bool, flags: bool) -> str:
     """What an error message names as the configuration's origin."""
-    parts = [f"preset {preset or 'brief-illustration'}"] if preset or not config_path else []
+    parts = [f"preset {preset or 'published-illustration'}"] if preset or not config_path else []
     parts += [config_path] if config_path else []
     parts += ["environment"] if env else []
     parts += ["options"] if flags else []

@@ -25,7 +25,7 @@ def test_shipped_playbooks_validate(name: str) -> None:
     assert pb.name == name and expand_steps(pb)
 
 
-def test_reference_matrix_is_the_briefs() -> None:
+def test_reference_matrix_is_the_full_cross_dc_matrix() -> None:
     pb = load_playbook(PLAYBOOKS / "cross-dc-reference.yaml")
     steps = expand_steps(pb)
     assert len(steps) == 3 * 3 * 4 * 4

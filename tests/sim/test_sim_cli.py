@@ -10,7 +10,7 @@ import yaml
 from typer.testing import CliRunner
 
 from pdx.cli.main import app
-from pdx.sim.config import BRIEF_ILLUSTRATION
+from pdx.sim.config import PUBLISHED_ILLUSTRATION
 
 runner = CliRunner()
 
@@ -53,7 +53,7 @@ def write_config(tmp_path: Path, data: dict[str, object]) -> str:
 
 
 def complete() -> dict[str, object]:
-    return {k: v for k, v in BRIEF_ILLUSTRATION.items() if k != "workload"}
+    return {k: v for k, v in PUBLISHED_ILLUSTRATION.items() if k != "workload"}
 
 
 def error_lines(err: str) -> list[str]:

@@ -5,18 +5,18 @@ from __future__ import annotations
 import pytest
 
 from pdx.errors import InputError
-from pdx.sim.config import BRIEF_ILLUSTRATION, SimConfig
+from pdx.sim.config import PUBLISHED_ILLUSTRATION, SimConfig
 from pdx.sim.engine import run_mode
 from pdx.sim.runner import simulate
 from pdx.sim.workload import Workload, poisson_workload
 
 
 def cfg_with(**changes: object) -> SimConfig:
-    return SimConfig.model_validate({**BRIEF_ILLUSTRATION, **changes})
+    return SimConfig.model_validate({**PUBLISHED_ILLUSTRATION, **changes})
 
 
 def busy_workload(n: int = 600, rate: float = 2.0) -> dict[str, object]:
-    return {**BRIEF_ILLUSTRATION["workload"], "requests": n, "rate_per_s": rate}
+    return {**PUBLISHED_ILLUSTRATION["workload"], "requests": n, "rate_per_s": rate}
 
 
 def test_more_decode_instances_lower_itl_and_spread_load() -> None:
@@ -78,7 +78,7 @@ def test_link_loss_and_jitter_delay_transfers() -> None:
 
 
 def test_local_prefill_threshold_keeps_short_prompts_off_the_link() -> None:
-    wl_cfg = BRIEF_ILLUSTRATION["workload"]
+    wl_cfg = PUBLISHED_ILLUSTRATION["workload"]
     shipped = simulate(cfg_with(modes=["disaggregated"])).disaggregated
     local = simulate(cfg_with(modes=["disaggregated"], local_prefill_max_tokens=4000)).disaggregated
     wl = poisson_workload(cfg_with().workload)

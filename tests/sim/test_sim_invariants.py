@@ -8,7 +8,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdx.sim.config import BRIEF_ILLUSTRATION, SimConfig
+from pdx.sim.config import PUBLISHED_ILLUSTRATION, SimConfig
 from pdx.sim.engine import run_mode
 from pdx.sim.workload import Workload
 
@@ -46,7 +46,7 @@ def workload(seed: int, n: int = 30) -> Workload:
 def test_every_request_finishes_in_order_and_every_token_is_stepped(
     changes: dict[str, object], seed: int, mode: str
 ) -> None:
-    cfg = SimConfig.model_validate({**BRIEF_ILLUSTRATION, **changes})
+    cfg = SimConfig.model_validate({**PUBLISHED_ILLUSTRATION, **changes})
     wl = workload(seed)
     tr = run_mode(cfg, wl, mode)  # type: ignore[arg-type]
     for i in range(len(wl)):

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from pdx.sim.config import BRIEF_ILLUSTRATION, SimConfig
+from pdx.sim.config import PUBLISHED_ILLUSTRATION, SimConfig
 from pdx.sim.engine import run_mode
 from pdx.sim.runner import simulate
 from pdx.sim.workload import Workload, poisson_workload
@@ -18,8 +18,8 @@ PUBLISHED = {
 }
 
 
-def brief(**changes: object) -> SimConfig:
-    return SimConfig.model_validate({**BRIEF_ILLUSTRATION, **changes})
+def illustration(**changes: object) -> SimConfig:
+    return SimConfig.model_validate({**PUBLISHED_ILLUSTRATION, **changes})
 
 
 def close(got: float, want: float, rel: float) -> bool:
@@ -28,7 +28,7 @@ def close(got: float, want: float, rel: float) -> bool:
 
 @pytest.mark.parametrize("mode", ["colocated", "disaggregated"])
 def test_published_figures_reproduced_within_2_percent(mode: str) -> None:
-    result = getattr(simulate(brief(compat="published")), mode)
+    result = getattr(simulate(illustration(compat="published")), mode)
     p50, p95, itl = PUBLISHED[mode]
     assert close(result.ttft_p50_s, p50, 0.02), result.ttft_p50_s
     assert close(result.ttft_p95_s, p95, 0.02), result.ttft_p95_s
@@ -36,7 +36,7 @@ def test_published_figures_reproduced_within_2_percent(mode: str) -> None:
 
 
 def test_correct_model_keeps_ttft_and_lowers_disaggregated_itl() -> None:
-    correct, published = simulate(brief()), simulate(brief(compat="published"))
+    correct, published = simulate(illustration()), simulate(illustration(compat="published"))
     for mode in ("colocated", "disaggregated"):
         a, b = getattr(correct, mode), getattr(published, mode)
         assert a.ttft_p50_s == b.ttft_p50_s and a.ttft_p95_s == b.ttft_p95_s
@@ -50,7 +50,7 @@ def test_correct_model_keeps_ttft_and_lowers_disaggregated_itl() -> None:
 
 
 def reference(cfg: SimConfig, wl: Workload, mode: str) -> dict[str, list[float]]:
-    """Literal per-token loop of the semantics the brief states; slow, for small workloads."""
+    """Literal per-token loop of the reference semantics; slow, for small workloads."""
     arr, prompt, out = wl.arrival_s, wl.prompt_tokens, wl.output_tokens
     n, free, pf_end = len(arr), 0.0, []
     for a, p in zip(arr, prompt, strict=True):
@@ -100,7 +100,7 @@ def random_workload(seed: int, n: int) -> Workload:
 @pytest.mark.parametrize("seed", range(6))
 def test_engine_matches_per_step_reference(seed: int, mode: str, compat: str) -> None:
     link = [2e9, 20e9, 0.5e9][seed % 3]  # slow links reorder ready times
-    cfg = brief(compat=compat, link_sharing="none", link_bytes_per_s=link)
+    cfg = illustration(compat=compat, link_sharing="none", link_bytes_per_s=link)
     wl = random_workload(seed, 40)
     want = reference(cfg, wl, mode)
     got = run_mode(cfg, wl, mode)
@@ -112,7 +112,7 @@ def test_engine_matches_per_step_reference(seed: int, mode: str, compat: str) ->
 
 
 def test_fifo_link_equals_reference_when_transfers_do_not_overlap() -> None:
-    fifo, free = simulate(brief()), simulate(brief(link_sharing="none"))
+    fifo, free = simulate(illustration()), simulate(illustration(link_sharing="none"))
     assert fifo.disaggregated == free.disaggregated
     assert fifo.disaggregated.link_queue_max == 0
 
@@ -126,7 +126,7 @@ def one_request(prompt: int, out: int) -> Workload:
 
 @pytest.mark.parametrize("prompt", [4000, 64000])
 def test_one_request_ttft_is_prefill_plus_transfer_and_itl_is_step_time(prompt: int) -> None:
-    cfg = brief(link_rtt_s=0.01)
+    cfg = illustration(link_rtt_s=0.01)
     prefill_s = 2 * prompt * 70e9 / 2.0e15
     transfer_s = prompt * 65536 / 20e9 + 0.01
     step_s = (140e9 + prompt * 65536) / 26.8e12
@@ -144,7 +144,7 @@ def test_one_request_ttft_is_prefill_plus_transfer_and_itl_is_step_time(prompt: 
 def test_saturated_prefill_queue_matches_md1_waiting_time() -> None:
     """Poisson arrivals, fixed prompts: mean wait W = rho / (2 mu (1 - rho)) (M/D/1)."""
     service_s, rho = 2.0, 0.9
-    cfg = brief(
+    cfg = illustration(
         model_params=1e9,
         prefill_flops=1e12,  # 2 * 1000 * 1e9 / 1e12 = 2 s per prefill
         modes=["disaggregated"],
@@ -164,7 +164,7 @@ def test_saturated_prefill_queue_matches_md1_waiting_time() -> None:
 
 
 def test_illustration_workload_is_the_published_draw() -> None:
-    wl = poisson_workload(brief().workload)
+    wl = poisson_workload(illustration().workload)
     rng = random.Random(7)
     first_gap = rng.expovariate(0.5)
     first_prompt = rng.choices([4000, 16000, 32000, 64000], weights=[3, 4, 2, 1])[0]
