@@ -70,13 +70,13 @@ async def start_deploy(
     from pdx.faults.client import ControlClient
 
     args = [*deploy_args(target, run.playbook_dir, 0), "--json"]
-    if needs_proxy:
-        args += ["--set", "kv.via_proxy=true"]
     prefix: list[str] = []
     if topology is not None:
-        for item in topology.deploy_overrides():
+        for item in topology.deploy_overrides(via_proxy=needs_proxy):
             args += ["--set", item]
         prefix = topology.command_prefix()
+    elif needs_proxy:
+        args += ["--set", "kv.via_proxy=true"]
     out_path = run.raw_dir / "deploy-endpoints.json"
     proc = DeployProcess(args, run.raw_dir / "deploy.log", stdout_path=out_path, prefix=prefix)
     run.deploy = proc

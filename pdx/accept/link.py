@@ -3,6 +3,8 @@
 The proxy sits between decode and prefill's KV store (``pdx deploy`` routes KV reads to it);
 each step's condition becomes toxics (latency, stalls for loss, bandwidth) plus an optional
 timed link cut, and the proxy's counters before/after the step show the fault really fired.
+Under ``target.netns`` the router's kernel applies loss and bandwidth (nft, tbf), so the proxy
+gets only what the kernel cannot do here (no netem): latency, jitter and link cuts.
 """
 
 from __future__ import annotations
@@ -15,13 +17,25 @@ from typing import Any
 from pdx.accept.playbook import Condition
 
 
-def condition_toxics(c: Condition) -> list[dict[str, Any]]:
-    """The faults-proxy toxics for one condition (empty = normal)."""
+def proxy_acts(c: Condition, *, kernel_shaping: bool = False) -> bool:
+    """Whether the proxy has anything to do for ``c`` (``kernel_shaping``: under target.netns)."""
+    if kernel_shaping:
+        return bool(c.delay_ms or c.jitter_ms or c.link_down_at_s is not None)
+    return c.is_fault
+
+
+def condition_toxics(c: Condition, *, kernel_shaping: bool = False) -> list[dict[str, Any]]:
+    """The faults-proxy toxics for one condition (empty = normal).
+
+    With ``kernel_shaping`` loss and bandwidth are left out: the router applies them, never twice.
+    """
     toxics: list[dict[str, Any]] = []
     if c.delay_ms or c.jitter_ms:
         toxics.append(
             {"type": "latency", "name": "delay", "latency_ms": c.delay_ms, "jitter_ms": c.jitter_ms}
         )
+    if kernel_shaping:
+        return toxics
     if c.loss:
         toxics.append(
             {
@@ -47,11 +61,18 @@ def counters(stats: dict[str, Any]) -> dict[str, Any]:
         "link_down_events": int(stats.get("link_down_events", 0)),
         "toxic_bytes": toxic_bytes,
         "toxic_events": toxic_events,
-        "per_toxic": {
-            t["name"]: {"bytes": t["bytes"], "chunks": t["packets"]}
-            for t in stats.get("toxics", [])
-        },
+        "per_toxic": _per_toxic(stats.get("toxics", [])),
     }
+
+
+def _per_toxic(rows: list[dict[str, Any]]) -> dict[str, dict[str, int]]:
+    """Bytes and chunks per toxic name, both directions summed (the proxy counts each apart)."""
+    out: dict[str, dict[str, int]] = {}
+    for t in rows:
+        row = out.setdefault(str(t["name"]), {"bytes": 0, "chunks": 0})
+        row["bytes"] += int(t.get("bytes", 0))
+        row["chunks"] += int(t.get("packets", 0))
+    return out
 
 
 def counters_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
@@ -73,11 +94,13 @@ class ProxyLink:
     """Drives the deploy's KV-link fault proxy through its control API, one condition per step.
 
     ``client`` is a :class:`pdx.faults.client.ControlClient` (blocking, stdlib HTTP): every call
-    runs in a worker thread so the event loop keeps timing the step.
+    runs in a worker thread so the event loop keeps timing the step. ``kernel_shaping``: loss and
+    bandwidth are the router namespace's job (target.netns); the proxy adds only delay and cuts.
     """
 
-    def __init__(self, client: Any) -> None:
+    def __init__(self, client: Any, *, kernel_shaping: bool = False) -> None:
         self.client = client
+        self.kernel_shaping = kernel_shaping
         self.events: list[dict[str, Any]] = []
         self._t0 = time.time()
         self._down_task: asyncio.Task[None] | None = None
@@ -94,7 +117,7 @@ class ProxyLink:
         self.events = []
         self._t0 = t0_wall_s
         await self._call("clear_toxics")
-        for toxic in condition_toxics(c):
+        for toxic in condition_toxics(c, kernel_shaping=self.kernel_shaping):
             await self._call("add_toxic", toxic)
             self._event(f"toxic {toxic['name']} added: {toxic}")
         if c.link_down_at_s is not None and c.link_down_for_s is not None:

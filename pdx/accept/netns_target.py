@@ -5,7 +5,8 @@ module adds a host link (``10.77.3.1/30`` here ↔ ``10.77.3.2/30`` in the decod
 load generator and the metric scrapes, which run in this namespace, reach the gateway. A step's
 ``bandwidth_mbps`` / ``loss`` are applied with :func:`pdx.faults.netns.up` (idempotent: it
 reconfigures the router's ``tbf`` and nft rule in place), and the router's counters before
-and after the step show what the kernel did. Root only.
+and after the step show what the kernel did. Delay, jitter and link cuts go to the deploy's KV
+fault proxy on the decode side, whose control API listens on the host link. Root only.
 """
 
 from __future__ import annotations
@@ -96,14 +97,21 @@ class Topology:
         _ip("-n", self.decode_ns, "addr", "replace", f"{SITE_ADDR}/30", "dev", "eth-host")
         _ip("-n", self.decode_ns, "link", "set", "dev", "eth-host", "up")
 
-    def deploy_overrides(self) -> list[str]:
-        """``pdx deploy --set`` items placing prefill in its site and the gateway on the link."""
-        return [
+    def deploy_overrides(self, *, via_proxy: bool = False) -> list[str]:
+        """``pdx deploy --set`` items placing prefill in its site and the gateway on the link.
+
+        ``via_proxy``: the deploy's KV fault proxy (decode side, loopback of the decode site)
+        with its control API on the host link, where ``pdx accept`` in this namespace reaches it.
+        """
+        items = [
             f"prefill.netns={self.prefill_ns}",
             f"prefill.host={self.prefill_addr}",
             f"gateway.host={SITE_ADDR}",
             "tls.enabled=false",
         ]
+        if via_proxy:
+            items += ["kv.via_proxy=true", f"kv.proxy_control_host={SITE_ADDR}"]
+        return items
 
     def command_prefix(self) -> list[str]:
         """Run ``pdx deploy`` (router, decode, gateway) in the decode site."""

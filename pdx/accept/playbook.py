@@ -57,8 +57,9 @@ class NetnsTarget(BaseModel):
 
     Prefill runs in ``<prefix>-prefill``, decode and the gateway in ``<prefix>-decode``; every
     KV byte crosses ``<prefix>-router``, where each step's ``bandwidth_mbps`` becomes a ``tbf``
-    rate cap and ``loss`` an nft random drop. A host link ``10.77.3.0/30`` joins this
-    namespace to the decode site so the load generator reaches the gateway.
+    rate cap and ``loss`` an nft random drop; delay, jitter and link cuts are applied by the
+    deploy's KV fault proxy on the decode side. A host link ``10.77.3.0/30`` joins this
+    namespace to the decode site so the load generator (and the proxy's control) reach it.
     """
 
     model_config = _Strict
@@ -95,7 +96,8 @@ class Condition(BaseModel):
 
     ``loss`` on a TCP link is applied as stalls: with that probability per chunk the stream is
     held for ``loss_stall_ms`` (what a retransmission costs); ``link_down_*`` cuts the link at
-    ``link_down_at_s`` into the step for ``link_down_for_s`` seconds.
+    ``link_down_at_s`` into the step for ``link_down_for_s`` seconds. Under ``target.netns``
+    ``loss`` and ``bandwidth_mbps`` are set in the router's kernel instead (packet drops, tbf).
     """
 
     model_config = _Strict
@@ -229,15 +231,6 @@ class Playbook(BaseModel):
             raise ValueError("network faults need target.deploy (pdx must own the KV link)")
         if self.preflight.probe_link and self.target.url:
             raise ValueError("preflight.probe_link needs target.deploy (pdx must own the KV link)")
-        if self.target.netns.enabled:
-            for name in self.matrix.network:
-                c = self.conditions[name]
-                if c.delay_ms or c.jitter_ms or c.link_down_at_s is not None:
-                    raise ValueError(
-                        f"conditions.{name}: with target.netns only bandwidth_mbps and loss "
-                        "are applied (in the kernel: tbf, nft); delay/jitter/link_down need "
-                        "the proxy (target.netns.enabled=false)"
-                    )
         for name in self.matrix.network:
             c = self.conditions[name]
             if c.link_down_at_s is not None and c.link_down_at_s >= self.matrix.duration_s:

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 from pdx import __version__
 from pdx.accept import criteria as judge
-from pdx.accept.link import ProxyLink, counters_delta
+from pdx.accept.link import ProxyLink, counters_delta, proxy_acts
 from pdx.accept.loadgen import LocustRun, read_locust_stats, resolve_locustfile, step_args
 from pdx.accept.metrics import Snapshot, delta, scrape
 from pdx.accept.netns_target import Topology
@@ -132,14 +132,18 @@ class AcceptRun:
         topology = await self._start_topology() if t.netns.enabled else None
         started = await start_deploy(self, t, needs_proxy=self._needs_proxy(), topology=topology)
         self.deploy, self.url = started.process, started.url
-        self.link = ProxyLink(started.proxy) if started.proxy is not None else None
+        if started.proxy is not None:
+            self.link = ProxyLink(started.proxy, kernel_shaping=t.netns.enabled)
         self.sampler = TreeSampler(self.deploy.pid) if self.deploy.pid else None
         self.target_info = started.info
 
     def _needs_proxy(self) -> bool:
-        if self.pb.target.netns.enabled:
-            return False  # conditions go to the router namespace's kernel shaping
-        return any(self.pb.conditions[s.network].is_fault for s in self.steps)
+        """Whether any step needs the proxy (under netns only delay, jitter and cuts do)."""
+        return any(self._proxy_acts(s) for s in self.steps)
+
+    def _proxy_acts(self, step: Step) -> bool:
+        kernel = self.pb.target.netns.enabled
+        return proxy_acts(self.pb.conditions[step.network], kernel_shaping=kernel)
 
     async def _start_topology(self) -> Topology:
         from pdx.accept.netns_target import check_available
@@ -314,8 +318,8 @@ class AcceptRun:
             validity_problems=validity.problems,
             summary=summary,
             metrics_delta=mdelta,
-            proxy=proxy if cond.is_fault else None,
-            fault_events=list(self.link.events) if self.link and cond.is_fault else [],
+            proxy=proxy if self._proxy_acts(step) else None,
+            fault_events=list(self.link.events) if self.link and self._proxy_acts(step) else [],
             timeline=bins,
             recovery_s=rec_s,
             resources=resources,

@@ -46,11 +46,11 @@ def _run(tmp_path: Path, extra: list[str]) -> tuple[int, str, dict]:
     return result.exit_code, result.output, data
 
 
-def test_bandwidth_cap_applied_in_the_kernel(tmp_path: Path) -> None:
+def test_kernel_conditions_and_proxy_faults_across_namespaces(tmp_path: Path) -> None:
     code, output, data = _run(tmp_path, [])
     assert code == 0, (output, data["recommendations"], data["problems"])
     assert data["target"]["netns"]["prefill"] == f"{PREFIX}-prefill"
-    normal, capped = data["steps"]
+    normal, capped, cut = data["steps"]
     assert normal["kernel"]["rate_mbit"] == 1000 and capped["kernel"]["rate_mbit"] == 5
     assert "rate 5Mbit" in capped["kernel"]["qdiscs"]["eth-prefill"]
     # The cap really acted on the KV bytes: tbf held packets back over its rate ...
@@ -61,13 +61,30 @@ def test_bandwidth_cap_applied_in_the_kernel(tmp_path: Path) -> None:
     # x 8 / 5 Mbit/s = 29.7 ms to cross, where the uncapped link moves it in a few ms.
     assert capped["summary"]["transfer_ms"]["p50"] >= 29.0
     assert normal["summary"]["routes"].get("disaggregated", 0) > 0
+    assert capped["proxy"] is None  # the cap is the kernel's alone
+    _check_proxy_faults(data, cut)
     # The pre-flight probe ran between the sites, through the router's 1 Gbit/s cap.
     probe = data["preflight"]["probe_link"]
     assert probe["server_netns"] == f"{PREFIX}-prefill" and probe["server"].startswith("10.77.1.1:")
     assert 0 < probe["summary"]["down_gbps"] <= 1.05
     md = next(tmp_path.glob("*/report.md")).read_text()
     assert "kernel condition on the router namespace: tbf rate 5 Mbit/s" in md
+    assert "nft random loss 0.001" in md and "link-down events 1" in md
     assert _namespaces() == []  # everything torn down
+
+
+def _check_proxy_faults(data: dict, cut: dict) -> None:
+    """Delay and the cut fired in the decode-side proxy; loss stayed in the kernel only."""
+    assert data["target"]["kv_proxies"][0]["control"].startswith("http://10.77.3.2:")
+    assert cut["kernel"]["loss"] == 0.001 and cut["kernel"]["nft"]
+    proxy = cut["proxy"]
+    assert set(proxy["per_toxic"]) == {"delay"} and proxy["per_toxic"]["delay"]["chunks"] > 0
+    assert proxy["per_toxic"]["delay"]["bytes"] == proxy["toxic_bytes"] > 0
+    assert proxy["link_down_events"] == 1
+    assert proxy["connections_refused"] + cut["summary"]["retries"] > 0
+    assert cut["summary"]["degraded"] > 0 and cut["summary"]["failed"] == 0
+    # every KV chunk waits 20 ms in the proxy
+    assert cut["summary"]["transfer_ms"]["p50"] >= 20.0
 
 
 def test_namespaces_removed_when_the_deploy_fails(tmp_path: Path) -> None:

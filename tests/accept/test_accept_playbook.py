@@ -8,8 +8,15 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from pdx.accept.link import condition_toxics
-from pdx.accept.playbook import Condition, expand_steps, load_playbook, step_criteria
+from pdx.accept.link import condition_toxics, counters, proxy_acts
+from pdx.accept.netns_target import Topology
+from pdx.accept.playbook import (
+    Condition,
+    NetnsTarget,
+    expand_steps,
+    load_playbook,
+    step_criteria,
+)
 from pdx.cli.main import app
 from pdx.errors import ConfigError
 from pdx.faults.toxics import parse_toxic
@@ -133,3 +140,35 @@ def test_conditions_become_valid_fault_toxics() -> None:
     assert [t.type for t in toxics] == ["latency", "stall", "bandwidth"]
     assert condition_toxics(Condition()) == []
     assert not Condition().is_fault and Condition(link_down_at_s=1, link_down_for_s=1).is_fault
+
+
+def test_under_netns_the_proxy_gets_only_delay_and_cuts() -> None:
+    c = Condition(delay_ms=20, jitter_ms=5, loss=0.01, bandwidth_mbps=100)
+    toxics = [parse_toxic(t) for t in condition_toxics(c, kernel_shaping=True)]
+    assert [(t.type, t.name) for t in toxics] == [("latency", "delay")]  # loss, rate: kernel
+    assert not proxy_acts(Condition(loss=0.01, bandwidth_mbps=5), kernel_shaping=True)
+    assert proxy_acts(Condition(loss=0.01, bandwidth_mbps=5))
+    assert proxy_acts(Condition(link_down_at_s=1, link_down_for_s=1), kernel_shaping=True)
+    assert proxy_acts(Condition(jitter_ms=1), kernel_shaping=True)
+
+
+def test_netns_deploy_puts_the_proxy_control_on_the_host_link() -> None:
+    topo = Topology(NetnsTarget(enabled=True, prefix="pdxunit"))
+    assert not any(i.startswith("kv.") for i in topo.deploy_overrides())
+    items = topo.deploy_overrides(via_proxy=True)
+    assert "kv.via_proxy=true" in items and "kv.proxy_control_host=10.77.3.2" in items
+
+
+def test_netns_playbook_accepts_delay_and_cuts() -> None:
+    pb = load_playbook(PLAYBOOKS / "netns-smoke.yaml")
+    cut = pb.conditions["wan-break"]
+    assert pb.target.netns.enabled and cut.delay_ms and cut.link_down_at_s is not None
+
+
+def test_proxy_counters_sum_both_directions_of_a_toxic() -> None:
+    rows = [
+        {"name": "delay", "type": "latency", "direction": "downstream", "bytes": 900, "packets": 3},
+        {"name": "delay", "type": "latency", "direction": "upstream", "bytes": 100, "packets": 2},
+    ]
+    c = counters({"toxics": rows})
+    assert c["per_toxic"] == {"delay": {"bytes": 1000, "chunks": 5}} and c["toxic_bytes"] == 1000

@@ -92,10 +92,9 @@ def test_probe_and_netns_need_a_deploy_target() -> None:
     assert "target.netns needs target.deploy" in str(exc.value)
 
 
-def test_netns_refuses_conditions_the_kernel_cannot_apply() -> None:
-    with pytest.raises(ConfigError) as exc:
-        load_playbook(SMOKE, dotted=["target.netns.enabled=true"])  # smoke has a link break
-    assert "conditions.link-break: with target.netns only bandwidth_mbps and loss" in str(exc.value)
+def test_netns_accepts_a_link_break_for_the_decode_side_proxy() -> None:
+    pb = load_playbook(SMOKE, dotted=["target.netns.enabled=true"])  # smoke has a link break
+    assert pb.target.netns.enabled and pb.conditions["link-break"].link_down_at_s == 4
 
 
 def test_netns_without_root_exits_2_with_one_line(
