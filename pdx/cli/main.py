@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import faulthandler
+import signal
 import sys
 from typing import Any
 
@@ -63,7 +65,8 @@ _register()
 
 
 def main() -> None:
-    """Console-script entry point."""
+    """Console-script entry point. ``kill -USR1 <pid>`` prints every thread's stack to stderr."""
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     sys.exit(app())
 
 

@@ -181,7 +181,14 @@ def test_ctrl_c_writes_partial_report_and_stops_locust(sse_server, tmp_path: Pat
     children = _children(proc.pid)
     assert children, "locust should be running"
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=90)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGUSR1)  # pdx dumps every thread's stack to stderr
+        time.sleep(2)
+        proc.kill()
+        _, err = proc.communicate()
+        pytest.fail(f"pdx accept did not stop within 90 s of Ctrl-C; stderr tail:\n{err[-6000:]}")
     assert proc.returncode == 130, err
     assert "partial report" in err
     report = load_report(_only_report(tmp_path / "out"))
