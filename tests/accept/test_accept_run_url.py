@@ -174,6 +174,9 @@ def test_ctrl_c_writes_partial_report_and_stops_locust(sse_server, tmp_path: Pat
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # A shell that starts jobs in the background ignores SIGINT for them, and children
+        # inherit that; Ctrl-C is what this test is about, so give the run the terminal default.
+        preexec_fn=_default_sigint,
     )
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and not list((tmp_path / "out").glob("*/raw/*/requests-*")):
@@ -196,6 +199,10 @@ def test_ctrl_c_writes_partial_report_and_stops_locust(sse_server, tmp_path: Pat
     assert any("interrupted" in p for p in report.problems)
     for pid in children:
         assert not _alive(pid), f"child {pid} still running"
+
+
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _children(pid: int) -> list[int]:
