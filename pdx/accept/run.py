@@ -11,6 +11,7 @@ import contextlib
 import datetime as dt
 import os
 import platform
+import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,6 +77,7 @@ class AcceptRun:
         self.started_at = _now()
         self.outcomes: list[StepOutcome] = []
         self.problems: list[str] = []
+        self.interrupted_by = "Ctrl-C"  # or "SIGTERM"; named in the report when cut short
         self.url = ""
         self.deploy: DeployProcess | None = None
         self.link: ProxyLink | None = None
@@ -95,6 +97,7 @@ class AcceptRun:
         self.raw_dir.mkdir(parents=True, exist_ok=True)
         locustfile = resolve_locustfile(self.pb, self.playbook_dir)
         complete = False
+        self._stop_on_sigterm()
         try:
             await self._start_target()
             await self._preflight()
@@ -108,7 +111,7 @@ class AcceptRun:
                 self.outcomes.append(await self._run_step(step, locustfile))
             complete = True
         except asyncio.CancelledError:
-            self.problems.append("interrupted (Ctrl-C) before every step ran")
+            self.problems.append(f"interrupted ({self.interrupted_by}) before every step ran")
             raise
         except PdxError as exc:
             self.problems.append(f"could not run: {exc}")
@@ -117,6 +120,19 @@ class AcceptRun:
             await self._stop_all()
             self.report = self._write(complete)
         return self.report
+
+    def _stop_on_sigterm(self) -> None:
+        """SIGTERM (a CI timeout, a supervisor) stops the run like Ctrl-C: partial report."""
+        task = asyncio.current_task()
+        if task is None:
+            return
+
+        def on_term() -> None:
+            self.interrupted_by = "SIGTERM"
+            task.cancel()
+
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, on_term)
 
     # --- target ------------------------------------------------------------------------------
 

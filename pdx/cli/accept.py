@@ -34,12 +34,12 @@ def accept(
         if progress:
             progress.start(run)
         asyncio.run(run.execute())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, asyncio.CancelledError):
         if progress:
             progress.stop()
         where = f"; partial report: {run.report_dir}" if run.report else ""
-        typer.echo(f"interrupted{where}", err=True)
-        raise typer.Exit(130) from None
+        typer.echo(f"interrupted ({run.interrupted_by}){where}", err=True)
+        raise typer.Exit(143 if run.interrupted_by == "SIGTERM" else 130) from None
     finally:
         if progress:
             progress.stop()

@@ -157,7 +157,12 @@ def test_failed_requests_are_counted_not_timed(sse_server, tmp_path: Path) -> No
 
 
 @pytest.mark.slow
-def test_ctrl_c_writes_partial_report_and_stops_locust(sse_server, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("sig", "code", "name"), [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")]
+)
+def test_ctrl_c_writes_partial_report_and_stops_locust(
+    sse_server, tmp_path: Path, sig: signal.Signals, code: int, name: str
+) -> None:
     pb = _playbook(tmp_path, sse_server.url, concurrency=[2], duration_s=60)
     proc = subprocess.Popen(
         [
@@ -183,7 +188,7 @@ def test_ctrl_c_writes_partial_report_and_stops_locust(sse_server, tmp_path: Pat
         time.sleep(0.2)
     children = _children(proc.pid)
     assert children, "locust should be running"
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(sig)
     try:
         _, err = proc.communicate(timeout=90)
     except subprocess.TimeoutExpired:
@@ -192,11 +197,11 @@ def test_ctrl_c_writes_partial_report_and_stops_locust(sse_server, tmp_path: Pat
         proc.kill()
         _, err = proc.communicate()
         pytest.fail(f"pdx accept did not stop within 90 s of Ctrl-C; stderr tail:\n{err[-6000:]}")
-    assert proc.returncode == 130, err
-    assert "partial report" in err
+    assert proc.returncode == code, err
+    assert f"interrupted ({name}); partial report" in err
     report = load_report(_only_report(tmp_path / "out"))
     assert not report.complete and report.verdict == "NO-GO"
-    assert any("interrupted" in p for p in report.problems)
+    assert any(f"interrupted ({name})" in p for p in report.problems)
     for pid in children:
         assert not _alive(pid), f"child {pid} still running"
 
