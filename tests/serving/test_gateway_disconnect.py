@@ -14,12 +14,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from inprocess_pair import inprocess_pair
 
-from pdx.serving.backends.tokenizer import ByteTokenizer
 from pdx.serving.decode import DecodeNode
-from pdx.serving.deploy_config import NodeOptions, load_deploy_config
-from pdx.serving.gateway import Gateway, build_gateway
-from pdx.serving.prefill import PrefillNode
+from pdx.serving.gateway import Gateway
 
 SETS = ["router.local_prefill_max_tokens=8"]
 PROMPT = "a prompt long enough to ship over the link"
@@ -28,19 +26,8 @@ MAX_TOKENS = 600  # far more than can stream before the disconnect is seen
 
 @pytest.fixture
 async def pair() -> AsyncIterator[tuple[Gateway, DecodeNode]]:
-    cfg = load_deploy_config(dotted=SETS)
-    prefill = await PrefillNode.start(cfg, NodeOptions())
-    decode = await DecodeNode.start(cfg, NodeOptions())
-    gw = build_gateway(
-        cfg, [("prefill-0", f"127.0.0.1:{prefill.port}")],
-        [("decode-0", f"127.0.0.1:{decode.port}")], tls=None, tokenizer=ByteTokenizer(),
-        max_context_tokens=1024, model_name="tiny-llama",
-    )  # fmt: skip
-    await gw.start("127.0.0.1", 0)
-    yield gw, decode
-    await gw.stop()
-    await decode.stop(0.5)
-    await prefill.stop(0.5)
+    async with inprocess_pair(SETS) as (gw, _prefill, decode):
+        yield gw, decode
 
 
 def sample(gw: Gateway, name: str, **labels: str) -> float:

@@ -14,12 +14,10 @@ from typing import Any
 
 import aiohttp
 import pytest
+from inprocess_pair import inprocess_pair
 
 from pdx.serving.backends.kvwire import EncodedKV
-from pdx.serving.backends.tokenizer import ByteTokenizer
-from pdx.serving.decode import DecodeNode
-from pdx.serving.deploy_config import NodeOptions, load_deploy_config
-from pdx.serving.gateway import MARKS, Gateway, build_gateway
+from pdx.serving.gateway import MARKS, Gateway
 from pdx.serving.prefill import PrefillNode, StoreSink
 
 SETS = ["router.local_prefill_max_tokens=8", "kv.kv_transfer_timeout_ms=1500",
@@ -41,19 +39,8 @@ class GatedSink:
 
 @pytest.fixture
 async def trio() -> AsyncIterator[tuple[Gateway, PrefillNode]]:
-    cfg = load_deploy_config(dotted=SETS)
-    prefill = await PrefillNode.start(cfg, NodeOptions())
-    decode = await DecodeNode.start(cfg, NodeOptions())
-    gw = build_gateway(
-        cfg, [("prefill-0", f"127.0.0.1:{prefill.port}")],
-        [("decode-0", f"127.0.0.1:{decode.port}")], tls=None, tokenizer=ByteTokenizer(),
-        max_context_tokens=1024, model_name="tiny-llama",
-    )  # fmt: skip
-    await gw.start("127.0.0.1", 0)
-    yield gw, prefill
-    await gw.stop()
-    await decode.stop(0.5)
-    await prefill.stop(0.5)
+    async with inprocess_pair(SETS) as (gw, prefill, _decode):
+        yield gw, prefill
 
 
 def body(route: str, stream: bool) -> dict[str, Any]:
