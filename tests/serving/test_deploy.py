@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -219,20 +221,41 @@ print(json.dumps(out))
 """
 
 
+@contextlib.asynccontextmanager
+async def deploy_in_decode_namespace(
+    prefix: str, sets: list[str]
+) -> AsyncIterator[tuple[list[str], dict[str, Any]]]:
+    """Namespaces up, ``pdx deploy`` inside the decode one with prefill in its own; yields the
+    command prefix that runs Python in the decode namespace and the printed endpoints. On exit:
+    SIGTERM, then the deploy must have stopped cleanly (exit 0), and the namespaces go."""
+    from pdx.faults.netns import down, make_config, up
+
+    net = make_config(prefix=prefix, rate_mbit=1000)
+    await asyncio.to_thread(up, net)
+    in_decode = ["ip", "netns", "exec", net.decode, sys.executable]
+    base = [f"prefill.netns={net.prefill}", "prefill.host=10.77.1.1", "tls.enabled=false"]
+    set_args = [a for item in [*base, *sets] for a in ("--set", item)]
+    cmd = [*in_decode, "-c", "from pdx.cli.main import main; main()", "deploy", "--port", "0",
+           "--json", *set_args]  # fmt: skip
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        yield in_decode, await asyncio.to_thread(read_endpoints, proc)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            rc = proc.wait()
+        await asyncio.to_thread(down, net)
+    assert rc == 0
+
+
 @pytest.mark.slow
 @pytest.mark.system
 async def test_prefill_in_its_own_namespace_ships_kv_through_the_router_hop() -> None:
-    from pdx.faults.netns import down, make_config, up
-
-    net = make_config(prefix="pdxsv", rate_mbit=1000)
-    await asyncio.to_thread(up, net)
-    in_decode = ["ip", "netns", "exec", net.decode, sys.executable]
-    cmd = [*in_decode, "-c", "from pdx.cli.main import main; main()", "deploy", "--port", "0",
-           "--json", "--set", f"prefill.netns={net.prefill}", "--set", "prefill.host=10.77.1.1",
-           "--set", "tls.enabled=false", "--set", "kv.kv_transfer_timeout_ms=5000"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        ep = await asyncio.to_thread(read_endpoints, proc)
+    sets = ["kv.kv_transfer_timeout_ms=5000"]
+    async with deploy_in_decode_namespace("pdxsv", sets) as (in_decode, ep):
         assert ep["prefill"][0]["kv_endpoint"].startswith("10.77.1.1:")
         url = ep["gateway"] + "/v1/completions"
         client = await asyncio.to_thread(
@@ -245,15 +268,6 @@ async def test_prefill_in_its_own_namespace_ships_kv_through_the_router_hop() ->
         assert dis["pdx"]["route"] == "disaggregated" and not dis["pdx"]["degraded"]
         assert dis["pdx"]["kv_bytes"] > 0
         assert dis["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = await asyncio.to_thread(proc.wait, 30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        await asyncio.to_thread(down, net)
-    assert rc == 0
 
 
 @pytest.mark.slow
@@ -296,18 +310,8 @@ print(json.dumps(out))
 @pytest.mark.slow
 @pytest.mark.system
 async def test_kv_fault_proxy_binds_on_the_decode_side_under_netns() -> None:
-    from pdx.faults.netns import down, make_config, up
-
-    net = make_config(prefix="pdxpx", rate_mbit=1000)
-    await asyncio.to_thread(up, net)
-    in_decode = ["ip", "netns", "exec", net.decode, sys.executable]
-    cmd = [*in_decode, "-c", "from pdx.cli.main import main; main()", "deploy", "--port", "0",
-           "--json", "--set", f"prefill.netns={net.prefill}", "--set", "prefill.host=10.77.1.1",
-           "--set", "tls.enabled=false", "--set", "kv.via_proxy=true",
-           "--set", "kv.kv_transfer_timeout_ms=5000"]  # fmt: skip
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        ep = await asyncio.to_thread(read_endpoints, proc)
+    sets = ["kv.via_proxy=true", "kv.kv_transfer_timeout_ms=5000"]
+    async with deploy_in_decode_namespace("pdxpx", sets) as (in_decode, ep):
         (proxy,) = ep["proxies"]
         kv_port = int(ep["prefill"][0]["kv_endpoint"].rsplit(":", 1)[1])
         assert proxy["listen"].startswith("127.0.0.1:")
@@ -325,12 +329,3 @@ async def test_kv_fault_proxy_binds_on_the_decode_side_under_netns() -> None:
         assert cut["pdx"]["degraded"] and cut["pdx"]["route"] == "local"
         want = local["choices"][0]["token_ids"]
         assert ok["choices"][0]["token_ids"] == want == cut["choices"][0]["token_ids"]
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = await asyncio.to_thread(proc.wait, 30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = proc.wait()
-        await asyncio.to_thread(down, net)
-    assert rc == 0
