@@ -1,14 +1,16 @@
 """KV transfer goodput vs iperf3 on loopback, measured in the same run.
 
-For each chunk size (256 KiB - 8 MiB) and TLS off/on: one iperf3 single-stream TCP run
-on loopback, then ``kv-bench`` (store in its own process, Put then Get of one object,
-checksums always on). Ratio = KV goodput / iperf3 goodput of the same round; the
-summary quotes medians over rounds. Goals: >= 0.90x without TLS, >= 0.60x with TLS.
-Each row also gives CPU-seconds per GB, both ends together, for iperf3 (its own
-accounting), Put and Get (client and store processes, all threads): on a shared machine
-goodput swings with other load, CPU per GB much less, and it shows where the gap is.
+For each transport (the store's data plane, and gRPC messages), chunk size
+(256 KiB - 8 MiB) and TLS off/on: one iperf3 single-stream TCP run on loopback, then
+``kv-bench`` (store in its own process, Put then Get of one object, checksums always
+on). Ratio = KV goodput / iperf3 goodput of the same round; the summary quotes medians
+over rounds. Goals: >= 0.90x without TLS, >= 0.60x with TLS. Each row also gives
+CPU-seconds per GB, both ends together, for iperf3 (its own accounting), Put and Get
+(client and store processes, all threads): on a shared machine goodput swings with
+other load, CPU per GB much less, and it shows where the gap is.
 
-    python benchmarks/bench_transfer.py [--bytes 256MB] [--rounds 3] [--json]
+    python benchmarks/bench_transfer.py [--bytes 256MB] [--rounds 3] [--transport data grpc]
+                                        [--streams 1] [--chunk-kb 256 1024 ...] [--json]
 """
 
 from __future__ import annotations
@@ -104,13 +106,15 @@ def main() -> None:
     ap.add_argument("--streams", type=int, default=1)
     ap.add_argument("--connections", type=int, default=1)
     ap.add_argument("--chunk-kb", type=int, nargs="*", default=list(CHUNK_KB))
+    ap.add_argument("--transport", nargs="*", default=["data", "grpc"], choices=["data", "grpc"])
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     total = parse_size(args.bytes, "--bytes")
     iperf3 = ensure_iperf3()
     rows: list[dict[str, Any]] = []
-    for tls in (False, True):
-        for chunk_kb in args.chunk_kb:
+    combos = [(t, tls, c) for t in args.transport for tls in (False, True) for c in args.chunk_kb]
+    for transport, tls, chunk_kb in combos:
+        if True:
             rounds, cpus = [], []
             for _ in range(args.rounds):
                 ref, ref_cpu = iperf3_run(iperf3) if iperf3 else (None, None)
@@ -120,13 +124,14 @@ def main() -> None:
                     tls=tls,
                     streams=args.streams,
                     connections=args.connections,
+                    transport=transport,
                     repeat=1,
                 )
                 rounds.append((ref, r.put_gbytes_per_s, r.get_gbytes_per_s))
                 cpus.append(
                     (ref_cpu, _cpu_total(r.put_cpu_s_per_gb), _cpu_total(r.get_cpu_s_per_gb))
                 )
-            rows.append(_row(chunk_kb, tls, rounds))
+            rows.append({"transport": transport, **_row(chunk_kb, tls, rounds)})
             rows[-1].update(_cpu_row(cpus))
             if not args.json:
                 _print_row(rows[-1], first=len(rows) == 1)
@@ -174,13 +179,13 @@ def _cpu_row(cpus: list[tuple[float | None, float | None, float | None]]) -> dic
 
 def _print_row(row: dict[str, Any], first: bool) -> None:
     if first:
-        head = ("chunk", "tls", "iperf3", "put", "get", "put/iperf", "get/iperf")
-        print("{:>7} {:>4} {:>8} {:>7} {:>7} {:>9} {:>9}".format(*head), end="")
+        head = ("transport", "chunk", "tls", "iperf3", "put", "get", "put/iperf", "get/iperf")
+        print("{:>9} {:>7} {:>4} {:>8} {:>7} {:>7} {:>9} {:>9}".format(*head), end="")
         print("        CPU-s/GB: iperf3   put   get")
     ref = row["iperf3_gbytes_per_s"]
     nan = float("nan")
     print(
-        f"{row['chunk_kb']:>5}Ki {('on' if row['tls'] else 'off'):>4} "
+        f"{row['transport']:>9} {row['chunk_kb']:>5}Ki {('on' if row['tls'] else 'off'):>4} "
         f"{(f'{ref:.2f}' if ref else '-'):>8} "
         f"{row['put_gbytes_per_s']:>7.2f} {row['get_gbytes_per_s']:>7.2f} "
         f"{row.get('put_ratio', nan):>9.2f} {row.get('get_ratio', nan):>9.2f}  GB/s"
@@ -196,16 +201,17 @@ def _fmt(x: float | None) -> str:
 
 def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     lines, best = [], {}
-    for tls in (False, True):
-        mine = [r for r in rows if r["tls"] is tls and "put_ratio" in r]
+    for transport, tls in [(t, tls) for t in ("data", "grpc") for tls in (False, True)]:
+        mine = [r for r in rows if r["tls"] is tls and r["transport"] == transport]
+        mine = [r for r in mine if "put_ratio" in r]
         if not mine:
             continue
         top = max(mine, key=lambda r: min(r["put_ratio"], r["get_ratio"]))
         worst = min(top["put_ratio"], top["get_ratio"])
-        best["tls" if tls else "plain"] = top
+        best[f"{transport}_{'tls' if tls else 'plain'}"] = top
         verdict = "meets" if worst >= GOALS[tls] else "misses"
         lines.append(
-            f"TLS {'on ' if tls else 'off'}: best chunk {top['chunk_kb']} KiB: "
+            f"{transport:>4}, TLS {'on ' if tls else 'off'}: best chunk {top['chunk_kb']} KiB: "
             f"put {top['put_ratio']:.2f}x, get {top['get_ratio']:.2f}x iperf3 "
             f"-> {verdict} the {GOALS[tls]:.2f}x goal"
         )

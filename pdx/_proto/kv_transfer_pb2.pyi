@@ -195,3 +195,49 @@ class StatResponse(_message.Message):
     INFO_FIELD_NUMBER: _ClassVar[int]
     info: ObjectInfo
     def __init__(self, info: _Optional[_Union[ObjectInfo, _Mapping]] = ...) -> None: ...
+
+class DataPlaneRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class DataPlaneResponse(_message.Message):
+    __slots__ = ("enabled", "port", "tls", "max_frame_bytes")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    port: int
+    tls: bool
+    max_frame_bytes: int
+    def __init__(self, enabled: _Optional[bool] = ..., port: _Optional[int] = ..., tls: _Optional[bool] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+
+class DataHello(_message.Message):
+    __slots__ = ("version", "client_id")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    version: str
+    client_id: str
+    def __init__(self, version: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
+
+class DataRequest(_message.Message):
+    __slots__ = ("timeout_ms", "put", "get")
+    TIMEOUT_MS_FIELD_NUMBER: _ClassVar[int]
+    PUT_FIELD_NUMBER: _ClassVar[int]
+    GET_FIELD_NUMBER: _ClassVar[int]
+    timeout_ms: int
+    put: PutHeader
+    get: GetRequest
+    def __init__(self, timeout_ms: _Optional[int] = ..., put: _Optional[_Union[PutHeader, _Mapping]] = ..., get: _Optional[_Union[GetRequest, _Mapping]] = ...) -> None: ...
+
+class DataError(_message.Message):
+    __slots__ = ("code", "message", "has_resume_chunk", "resume_chunk")
+    CODE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    HAS_RESUME_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    RESUME_CHUNK_FIELD_NUMBER: _ClassVar[int]
+    code: KVErrorCode
+    message: str
+    has_resume_chunk: bool
+    resume_chunk: int
+    def __init__(self, code: _Optional[_Union[KVErrorCode, str]] = ..., message: _Optional[str] = ..., has_resume_chunk: _Optional[bool] = ..., resume_chunk: _Optional[int] = ...) -> None: ...

@@ -34,6 +34,11 @@ class KVStoreStub:
         Args:
             channel: A grpc.Channel.
         """
+        self.DataPlane = channel.unary_unary(
+                '/pdx.kv.v1.KVStore/DataPlane',
+                request_serializer=kv__transfer__pb2.DataPlaneRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.DataPlaneResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/pdx.kv.v1.KVStore/Put',
                 request_serializer=kv__transfer__pb2.PutRequest.SerializeToString,
@@ -63,6 +68,13 @@ class KVStoreStub:
 
 class KVStoreServicer:
     """Missing associated documentation comment in .proto file."""
+
+    def DataPlane(self, request, context):
+        """Where the bulk data plane listens (see above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
 
     def Put(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
@@ -97,6 +109,11 @@ class KVStoreServicer:
 
 def add_KVStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
+            'DataPlane': grpc.unary_unary_rpc_method_handler(
+                    servicer.DataPlane,
+                    request_deserializer=kv__transfer__pb2.DataPlaneRequest.FromString,
+                    response_serializer=kv__transfer__pb2.DataPlaneResponse.SerializeToString,
+            ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
                     request_deserializer=kv__transfer__pb2.PutRequest.FromString,
@@ -132,6 +149,33 @@ def add_KVStoreServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class KVStore:
     """Missing associated documentation comment in .proto file."""
+
+    @staticmethod
+    def DataPlane(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdx.kv.v1.KVStore/DataPlane',
+            kv__transfer__pb2.DataPlaneRequest.SerializeToString,
+            kv__transfer__pb2.DataPlaneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
 
     @staticmethod
     def Put(request_iterator,

@@ -32,6 +32,12 @@ def kv_serve(
     tls_dir: Path | None = typer.Option(None, "--tls-dir", help="Directory from `pdx certs init`."),
     tls_name: str = typer.Option("kv-store", "--tls-name", help="This server's name in --tls-dir."),
     audit: Path | None = typer.Option(None, "--audit", help="Append the audit log (JSONL) here."),
+    data_port: int | None = typer.Option(
+        None, "--data-port", help="Port of the bulk data plane (0 = pick a free one)."
+    ),
+    no_data_plane: bool = typer.Option(
+        False, "--no-data-plane", help="Serve Put/Get over gRPC only."
+    ),
     metrics_port: int | None = typer.Option(
         None, "--metrics-port", help="Serve Prometheus metrics."
     ),
@@ -53,21 +59,28 @@ def kv_serve(
         "kv_ttl_seconds": ttl_s,
         "tls": _tls(tls_dir, tls_name),
         "audit_path": str(audit) if audit else None,
+        "data_port": data_port,
+        "data_plane": False if no_data_plane else None,
     }
     base = read_yaml(config) if config else {}
     cfg = build_config(
         KVStoreConfig, source=str(config or "kv-serve"), base=base, overrides=overrides, dotted=set_
     )
 
-    def ready(bound: int) -> None:
-        data = {"listening": f"{cfg.host}:{bound}", "port": bound, "tls": cfg.tls is not None}
-        emit(
-            data,
-            as_json=as_json,
-            render=lambda con, d: con.print(
-                f"kv store listening on {d['listening']} (tls {'on' if d['tls'] else 'off'})"
-            ),
-        )
+    def ready(bound: int, data_bound: int | None) -> None:
+        data = {
+            "listening": f"{cfg.host}:{bound}",
+            "port": bound,
+            "data_port": data_bound,
+            "tls": cfg.tls is not None,
+        }
+
+        def render(con: Any, d: dict[str, Any]) -> None:
+            plane = f"data plane on port {d['data_port']}" if d["data_port"] else "no data plane"
+            tls = "on" if d["tls"] else "off"
+            con.print(f"kv store listening on {d['listening']}, {plane} (tls {tls})")
+
+        emit(data, as_json=as_json, render=render)
 
     asyncio.run(serve_kv(cfg, ready, metrics_port=metrics_port))
 
@@ -87,6 +100,9 @@ def kv_bench(
         help="Parallel streams per object (1: digest sent last).",
     ),
     connections: int = typer.Option(1, "--connections", help="TCP connections per client."),
+    transport: str = typer.Option(
+        "auto", "--transport", help="auto | data | grpc: how Put/Get bytes travel."
+    ),
     repeat: int = typer.Option(3, "--repeat", help="Runs; the median is reported."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
@@ -101,6 +117,7 @@ def kv_bench(
         codec=codec,
         streams=streams,
         connections=connections,
+        transport=transport,
         repeat=repeat,
     )
     emit(result, as_json=as_json, render=render_bench)

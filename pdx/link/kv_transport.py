@@ -163,6 +163,8 @@ class KVChunkTransport(ChunkTransport):
             kv_transfer_timeout_ms=CALL_TIMEOUT_MS,
             chunk_size_kb=_chunk_kib(size_bytes),
             client_id="pdx-probe-link",
+            # `--chunk-transport grpc` means the store's gRPC Put/Get, not its data plane.
+            transport="grpc",
         )
         return KVClient(self.settings.target, cfg, tls=self.settings.tls())
 

@@ -267,6 +267,10 @@ class KVStoreConfig(BaseModel):
     eviction_policy: Literal["TTL+LRU"] = "TTL+LRU"
     audit_path: Path | None = None
     tls: TLSConfig | None = None
+    # The bulk data plane (raw chunk payloads on a socket of its own, same TLS identity):
+    # on by default, on ``data_port`` (0 = any free port, announced by the DataPlane RPC).
+    data_plane: bool = True
+    data_port: int = Field(default=0, ge=0, le=65535)
 
 
 class KVClientConfig(BaseModel):
@@ -286,6 +290,12 @@ class KVClientConfig(BaseModel):
     retry_window_s: float = Field(default=10.0, gt=0)
     client_id: str = "pdx-client"
     checksum: Literal["xxh3_64"] = "xxh3_64"
+    # How Put/Get bytes travel: "data" = the store's data plane (fails if it has none),
+    # "grpc" = inside gRPC messages, "auto" = the data plane when the store offers it.
+    transport: Literal["auto", "grpc", "data"] = "auto"
+    # HOST:PORT to dial for the data plane instead of the gRPC host + announced port
+    # (a NAT, a port forward, or a fault proxy in front of it).
+    data_target: str | None = None
 
     @model_validator(mode="after")
     def _backoff_order(self) -> KVClientConfig:

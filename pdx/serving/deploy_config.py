@@ -39,6 +39,11 @@ class KVConfig(BaseModel):
     kv_ttl_seconds: int = Field(120, ge=60, le=300)
     max_inflight_kv: int = Field(32, ge=1)
     store_budget_bytes: int = Field(2 * 1024**3, gt=0)
+    transport: Literal["auto", "grpc", "data"] = Field(
+        "auto",
+        description="how KV bytes travel: the store's data plane (data), inside gRPC (grpc), "
+        "or the data plane when offered (auto); kv.via_proxy needs grpc",
+    )
     via_proxy: bool = Field(False, description="route decode's KV reads through a fault proxy")
     proxy_host: str = Field(
         "127.0.0.1",
@@ -48,6 +53,15 @@ class KVConfig(BaseModel):
     proxy_control_host: str = Field(
         "127.0.0.1", description="where the fault proxy's HTTP control API listens"
     )
+
+    @model_validator(mode="after")
+    def _proxy_sees_every_byte(self) -> KVConfig:
+        if self.via_proxy and self.transport == "data":
+            raise ValueError(
+                "kv.transport: data bypasses the fault proxy of kv.via_proxy, which sits on "
+                "the gRPC port; use auto or grpc (with via_proxy KV moves over gRPC)"
+            )
+        return self
 
     @field_validator("codec")
     @classmethod

@@ -66,6 +66,7 @@ class BenchResult:
     tls: bool
     streams: int
     connections: int
+    transport: str
     repeat: int
     put_gbytes_per_s: float
     get_gbytes_per_s: float
@@ -197,14 +198,15 @@ async def _rounds(
             obj = await kv.get(kv_id)
             get_s = time.perf_counter() - t1
             meter.stop("get", len(payload))
-            if len(obj.data) != len(payload):
+            if len(obj) != len(payload):
                 raise MeasurementError("kv-bench: object came back with the wrong size")
             del obj
             await kv.release(kv_id)
             put_runs.append(len(payload) / put_s / 1e9)
             get_runs.append(len(payload) / get_s / 1e9)
         retries = sum(r.retries for r in kv.records())
-    return {"put": put_runs, "get": get_runs, "retries": retries}
+        used = "data" if await kv.data_endpoint() is not None else "grpc"
+    return {"put": put_runs, "get": get_runs, "retries": retries, "transport": used}
 
 
 def run_bench(
@@ -215,6 +217,7 @@ def run_bench(
     codec: str = "raw",
     streams: int = 2,
     connections: int = 1,
+    transport: str = "auto",
     repeat: int = 3,
 ) -> BenchResult:
     """Start a store process, then time ``repeat`` Put+Get rounds of one object."""
@@ -230,6 +233,7 @@ def run_bench(
             "connections": connections,
             "kv_transfer_timeout_ms": 600_000,
             "client_id": "kv-bench",
+            "transport": transport,
         },
     )
     if repeat < 1:
@@ -264,6 +268,7 @@ def run_bench(
         tls=tls,
         streams=streams,
         connections=connections,
+        transport=runs["transport"],
         repeat=repeat,
         put_gbytes_per_s=round(statistics.median(runs["put"]), 3),
         get_gbytes_per_s=round(statistics.median(runs["get"]), 3),
@@ -281,8 +286,8 @@ def render_bench(con: Any, r: BenchResult) -> None:
         f"kv-bench: {r.payload_bytes / 1e6:.1f} MB object, chunk {r.chunk_kb} KiB, codec {r.codec}"
     )
     con.print(
-        f"  tls {'on' if r.tls else 'off'}, checksums on, {r.streams} stream(s) over "
-        f"{r.connections} connection(s), median of {r.repeat}"
+        f"  transport {r.transport}, tls {'on' if r.tls else 'off'}, checksums on, "
+        f"{r.streams} stream(s) over {r.connections} connection(s), median of {r.repeat}"
     )
     con.print(f"  put {r.put_gbytes_per_s:.3f} GB/s   get {r.get_gbytes_per_s:.3f} GB/s")
     cpu = [

@@ -11,7 +11,10 @@ from zero. ``AioRpcError`` becomes :class:`KVError` in one function,
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import secrets
+import ssl
+import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -32,6 +35,15 @@ from pdx.serving.contract import (
     KVLayout,
     TLSConfig,
 )
+from pdx.serving.kv_data import (
+    BUFFERS,
+    Conn,
+    ConnPool,
+    Endpoint,
+    client_error,
+    get_stream,
+    put_stream,
+)
 from pdx.serving.kv_server import CHANNEL_OPTIONS, SERVICE_NAME
 from pdx.serving.kv_wire import digest64, encode_chunk, parse_chunk
 from pdx.serving.metrics import KVMetrics, TransferRecord
@@ -41,6 +53,11 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+
+# Worker threads that move data-plane bytes (blocking sockets release the interpreter
+# lock). One pool for every client in the process; it grows only as transfers overlap.
+_IO = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdx-kv-io")
+_UNRESOLVED = object()
 
 # After a link blip gRPC refuses calls until its reconnect backoff (default 1 s, growing)
 # expires; keep that short so a healed link is used again within ~0.1 s.
@@ -91,10 +108,12 @@ class KVObject:
     buffer on first use; ``tensors()`` decodes with the codec the layout records.
     """
 
-    def __init__(self, info: pb.ObjectInfo, chunks: list[memoryview]) -> None:
+    def __init__(
+        self, info: pb.ObjectInfo, chunks: list[memoryview], data: memoryview | None = None
+    ) -> None:
         self.info = info
         self.chunks = chunks
-        self._data: bytes | None = None
+        self._data: bytes | memoryview | None = data
 
     @property
     def kv_id(self) -> str:
@@ -107,8 +126,9 @@ class KVObject:
         return KVLayout.from_proto(self.info.layout)
 
     @property
-    def data(self) -> bytes:
-        """The whole object as one buffer (joined once, then cached)."""
+    def data(self) -> bytes | memoryview:
+        """The whole object as one buffer (joined once, then cached; the data plane
+        receives into one buffer, so there is nothing to join)."""
         if self._data is None:
             self._data = b"".join(self.chunks)
         return self._data
@@ -159,6 +179,7 @@ class _Request:
     op: str
     deadline_s: float
     kv_id: str = ""
+    transport: str = "grpc"
     retries: int = 0
     resumed_chunks: int = 0
     start_s: float = field(default_factory=time.perf_counter)
@@ -180,6 +201,7 @@ class KVClient:
         audit: AuditLog | None = None,
         metrics: KVMetrics | None = None,
         retry_budget: GlobalRetryBudget | None = None,
+        data_ssl: ssl.SSLContext | None = None,
     ) -> None:
         self.target = target
         self.cfg = cfg or KVClientConfig()
@@ -194,6 +216,15 @@ class KVClient:
             credentials = channel_credentials(tls)
         self._channels = [self._channel(i, credentials) for i in range(self.cfg.connections)]
         self._metadata = ((CLIENT_ID_METADATA_KEY, self.cfg.client_id),)
+        if data_ssl is None and tls is not None:
+            from pdx.serving.tls import client_ssl_context
+
+            data_ssl = client_ssl_context(tls)
+        self._data_ssl = data_ssl
+        self._secure = credentials is not None or data_ssl is not None
+        self._endpoint: Any = _UNRESOLVED
+        self._endpoint_lock = asyncio.Lock()
+        self._pool = ConnPool(limit=2 * max(self.cfg.streams, self.cfg.connections))
 
     def _channel(self, i: int, creds: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
         # A distinct option per channel keeps each on its own TCP connection.
@@ -213,7 +244,8 @@ class KVClient:
         await self.close()
 
     async def close(self) -> None:
-        """Close every channel."""
+        """Close every channel and data-plane connection."""
+        self._pool.close()
         for ch in self._channels:
             await ch.close()
 
@@ -320,9 +352,97 @@ class KVClient:
             who=self.cfg.client_id,
             peer=self.target,
             side="client",
+            **({"transport": req.transport} if req.op in ("put", "get") else {}),
             **{k: v for k, v in rec.as_dict().items() if k != "op"},
         )
         return rec
+
+    # --- data plane -------------------------------------------------------------------
+
+    async def data_endpoint(self) -> Endpoint | None:
+        """Where this client moves Put/Get bytes: the store's data plane, or None for gRPC."""
+        return await self._data_endpoint(self._begin("data_plane"))
+
+    async def _data_endpoint(self, req: _Request) -> Endpoint | None:
+        if self.cfg.transport == "grpc":
+            return None
+        if self._endpoint is _UNRESOLVED:
+            async with self._endpoint_lock:
+                if self._endpoint is _UNRESOLVED:
+                    self._endpoint = await self._resolve(req)
+        return self._endpoint  # type: ignore[no-any-return]
+
+    async def _resolve(self, req: _Request) -> Endpoint | None:
+        """Ask the store for its data plane; decide whether this client may use it."""
+        strict = self.cfg.transport == "data"
+        try:
+            resp = await self._unary(req, "DataPlane", pb.DataPlaneRequest(), pb.DataPlaneResponse)
+        except KVError as exc:
+            if strict or exc.code is not KVErrorCode.KV_INTERNAL:
+                raise
+            return None  # a store without the DataPlane call: gRPC it is
+        why = ""
+        if not resp.enabled:
+            why = "the store has no data plane (data_plane: false)"
+        elif resp.tls and self._data_ssl is None:
+            why = "the data plane uses TLS but this client has no TLS identity for it"
+        elif not resp.tls and self._secure:
+            why = "the data plane is plaintext but this client uses TLS"
+        if why:
+            if strict:
+                raise KVError(KVErrorCode.KV_UNAVAILABLE, f"transport data: {why}")
+            return None
+        from pdx.errors import InputError
+        from pdx.netaddr import parse_hostport
+
+        try:
+            if self.cfg.data_target:
+                host, port = parse_hostport(self.cfg.data_target, "data_target")
+            else:
+                host = parse_hostport(self.target, "target")[0]
+                port = resp.port
+        except InputError as exc:
+            if strict or self.cfg.data_target:
+                raise KVError(KVErrorCode.KV_INVALID, str(exc)) from None
+            return None
+        return Endpoint(host, port, self._data_ssl, self.cfg.client_id)
+
+    async def _in_thread(
+        self, ep: Endpoint, kv_id: str, timeout_s: float, work: Callable[[Conn, int], T]
+    ) -> T:
+        """Run ``work(conn, timeout_ms)`` on a pooled data-plane connection in a worker thread.
+
+        The connection's deadline bounds every socket call; if the caller gives up first
+        (cancellation), the socket is shut down so the thread ends at once.
+        """
+        deadline = time.monotonic() + timeout_s
+        timeout_ms = max(1, int(timeout_s * 1000))
+        used: list[Conn] = []
+
+        def run() -> T:
+            conn = self._pool.take()
+            while conn is not None and conn.answered():  # closed by the store while idle
+                conn.close()
+                conn = self._pool.take()
+            if conn is None:
+                conn = ep.connect(deadline)
+            used.append(conn)
+            conn.set_deadline(deadline)
+            try:
+                result = work(conn, timeout_ms)
+            except BaseException as exc:
+                conn.close()
+                raise client_error(exc, kv_id, None) from None
+            conn.set_deadline(None)
+            self._pool.give(conn)
+            return result
+
+        try:
+            return await asyncio.get_running_loop().run_in_executor(_IO, run)
+        except asyncio.CancelledError:
+            for conn in used:
+                conn.abort()
+            raise
 
     # --- put --------------------------------------------------------------------------
 
@@ -366,6 +486,9 @@ class KVClient:
             chunk_size_bytes=chunk,
             upload_token=secrets.token_bytes(16),
         )
+        ep = await self._data_endpoint(req)
+        if ep is not None:
+            req.transport = "data"
         ranges = _split(n, self.cfg.streams)
         if len(ranges) == 1:
             # One stream sends every chunk in order: hash the object while streaming it
@@ -374,7 +497,7 @@ class KVClient:
         else:
             header.object_digest = digest64(view)
         results = await asyncio.gather(
-            *(self._put_range(req, k, header, view, a, b) for k, (a, b) in enumerate(ranges))
+            *(self._put_range(req, ep, k, header, view, a, b) for k, (a, b) in enumerate(ranges))
         )
         done = [r for r in results if r.missing_chunks == 0]
         if not done:
@@ -384,6 +507,7 @@ class KVClient:
     async def _put_range(
         self,
         req: _Request,
+        ep: Endpoint | None,
         k: int,
         header: pb.PutHeader,
         view: memoryview,
@@ -396,10 +520,21 @@ class KVClient:
         hdr.CopyFrom(header)
         while True:
             hdr.start_chunk = first
-            gen = _put_messages(hdr, view, first, end)
+            once: Callable[[float], Awaitable[Any]]
+            if ep is not None:
+                sent = pb.PutHeader()
+                sent.CopyFrom(hdr)
 
-            async def once(timeout_s: float, messages: AsyncIterator[bytes] = gen) -> Any:
-                return await call(messages, timeout=timeout_s, metadata=self._metadata)
+                def work(conn: Conn, ms: int, h: pb.PutHeader = sent, a: int = first) -> Any:
+                    return put_stream(conn, h, view, a, end, ms)
+
+                async def once(timeout_s: float, w: Callable[..., Any] = work) -> Any:
+                    return await self._in_thread(ep, "", timeout_s, w)
+            else:
+                gen = _put_messages(hdr, view, first, end)
+
+                async def once(timeout_s: float, messages: AsyncIterator[bytes] = gen) -> Any:
+                    return await call(messages, timeout=timeout_s, metadata=self._metadata)
 
             try:
                 return await self._attempt(req, once)
@@ -429,23 +564,45 @@ class KVClient:
 
     async def _get_object(self, req: _Request, kv_id: str) -> KVObject:
         got = _Assembly(kv_id)
+        ep = await self._data_endpoint(req)
+        if ep is not None:
+            req.transport = "data"
         ranges = [(0, 0)]
         if self.cfg.streams > 1:
             stat = await self._unary(req, "Stat", pb.StatRequest(kv_id=kv_id), pb.StatResponse)
             got.accept_info(stat.info)
             ranges = _split(stat.info.num_chunks, self.cfg.streams)
         await asyncio.gather(
-            *(self._get_range(req, k, got, a, b) for k, (a, b) in enumerate(ranges))
+            *(self._get_range(req, ep, k, got, a, b) for k, (a, b) in enumerate(ranges))
         )
         return got.finish()
 
-    async def _get_range(self, req: _Request, k: int, got: _Assembly, start: int, end: int) -> None:
+    async def _get_range(
+        self, req: _Request, ep: Endpoint | None, k: int, got: _Assembly, start: int, end: int
+    ) -> None:
         call = self._rpc(
             k, "unary_stream", "Get", request_serializer=pb.GetRequest.SerializeToString
         )
         state = {"next": start}
 
+        def work(conn: Conn, timeout_ms: int) -> None:
+            request = pb.GetRequest(kv_id=got.kv_id, from_chunk=state["next"], to_chunk=end)
+
+            def verified(index: int, digest: int, view: memoryview) -> None:
+                got.add_view(index, digest, view)
+                state["next"] = index + 1
+
+            try:
+                get_stream(conn, request, timeout_ms, got.accept_info, got.slot, verified)
+            except KVError:
+                raise
+            except Exception as exc:  # socket or framing trouble: resume where it stopped
+                raise client_error(exc, got.kv_id, state["next"]) from None
+
         async def once(timeout_s: float) -> None:
+            if ep is not None:
+                await self._in_thread(ep, got.kv_id, timeout_s, work)
+                return
             request = pb.GetRequest(kv_id=got.kv_id, from_chunk=state["next"], to_chunk=end)
             stream = call(request, timeout=timeout_s, metadata=self._metadata)
             try:
@@ -517,9 +674,16 @@ class _Assembly:
         self.chunks: list[memoryview | None] = []
         self.whole = xxhash.xxh3_64()
         self.hashed = 0
+        # Data plane: every chunk lands in this one buffer, filled by worker threads.
+        self.buffer: memoryview | None = None
+        self.lock = threading.Lock()
 
     def accept_info(self, info: pb.ObjectInfo) -> None:
         """Check the object description (and that it did not change between streams)."""
+        with self.lock:
+            self._accept_info(info)
+
+    def _accept_info(self, info: pb.ObjectInfo) -> None:
         known = self.info
         if known is not None and (
             known.object_digest != info.object_digest or known.size_bytes != info.size_bytes
@@ -548,6 +712,30 @@ class _Assembly:
         self.chunks[index] = chunk.data
         self._hash_prefix()
 
+    def slot(self, index: int, digest: int, length: int) -> memoryview:
+        """(data plane) Check a chunk header against the object info; where its bytes go."""
+        info = self.info
+        if info is None:
+            raise self.corrupt(index, "chunk before object info")
+        size = info.chunk_size_bytes
+        expected_len = min(size, info.size_bytes - index * size)
+        if index >= info.num_chunks or length != expected_len:
+            raise self.corrupt(index, f"got {length} bytes, expected {expected_len}")
+        if digest != info.chunk_digests[index]:
+            raise self.corrupt(index, "digest differs from the object info")
+        with self.lock:
+            if self.buffer is None:
+                self.buffer = BUFFERS.get(info.size_bytes)
+        return self.buffer[index * size : index * size + length]
+
+    def add_view(self, index: int, digest: int, view: memoryview) -> None:
+        """(data plane) Verify the bytes that arrived in :meth:`slot`'s view and keep them."""
+        if digest64(view) != digest:
+            raise self.corrupt(index, "digest mismatch")
+        with self.lock:
+            self.chunks[index] = view
+            self._hash_prefix()
+
     def _hash_prefix(self) -> None:
         while self.hashed < len(self.chunks) and self.chunks[self.hashed] is not None:
             self.whole.update(self.chunks[self.hashed])  # type: ignore[arg-type]
@@ -556,13 +744,15 @@ class _Assembly:
     def finish(self) -> KVObject:
         """Check the whole-object digest (grown in chunk order as chunks arrived)."""
         info = self.info
-        self._hash_prefix()
+        with self.lock:
+            self._hash_prefix()
         if info is None or self.hashed != len(self.chunks):
             raise self.corrupt(0, "object incomplete")
         got = self.whole.intdigest()
         if got != info.object_digest:
             raise self.corrupt(0, f"object digest {got:016x} != {info.object_digest:016x}")
-        return KVObject(info, self.chunks)  # type: ignore[arg-type]
+        joined = self.buffer if self.buffer is not None else None
+        return KVObject(info, self.chunks, joined)  # type: ignore[arg-type]
 
     def corrupt(self, index: int | None, why: str) -> KVError:
         """A KV_CORRUPT error resuming at ``index``."""

@@ -33,6 +33,7 @@ from pdx.serving.contract import (
     KVErrorCode,
     KVStoreConfig,
 )
+from pdx.serving.kv_data import BUFFERS, DataServer, GetOutcome, Handoff, PutOutcome
 from pdx.serving.kv_wire import is_chunk_message, parse_chunk
 from pdx.serving.metrics import KVMetrics
 from pdx.serving.store import KVStore, StoredObject
@@ -158,12 +159,16 @@ class KVService:
         self.audit = store.audit
         self.metrics = store.metrics
         self._slots = asyncio.Semaphore(cfg.max_inflight_kv)
+        self.data_server: DataServer | None = None
 
     # --- plumbing ---------------------------------------------------------------------
 
+    def _audited(self, event: str, context: grpc.aio.ServicerContext) -> Any:
+        return self._audit_op(event, peer_identity(context), context.peer())
+
     @contextlib.asynccontextmanager
-    async def _audited(self, event: str, context: grpc.aio.ServicerContext) -> AsyncIterator[_Op]:
-        op = _Op(event, peer_identity(context), context.peer())
+    async def _audit_op(self, event: str, who: str, peer: str, **extra: Any) -> AsyncIterator[_Op]:
+        op = _Op(event, who, peer, extra=dict(extra))
         outcome = "ok"
         try:
             yield op
@@ -191,11 +196,13 @@ class KVService:
                 **op.extra,
             )
 
+    def _slot(self, context: grpc.aio.ServicerContext, op: str) -> Any:
+        return self._slot_wait(context.time_remaining())
+
     @contextlib.asynccontextmanager
-    async def _slot(self, context: grpc.aio.ServicerContext, op: str) -> AsyncIterator[None]:
+    async def _slot_wait(self, remaining: float | None) -> AsyncIterator[None]:
         """``max_inflight_kv`` back-pressure: wait (bounded by the call's deadline) or refuse."""
         wait_s = self.cfg.inflight_wait_ms / 1000
-        remaining = context.time_remaining()
         if remaining is not None:
             wait_s = min(wait_s, max(remaining, 0.0))
         try:
@@ -312,7 +319,7 @@ class KVService:
         try:
             yield pb.GetResponse(info=self.store.info(obj)).SerializeToString()
             for i in range(request.from_chunk, end):
-                message = obj.messages[i]
+                message = obj.chunk_message(i)
                 if message is None:  # complete objects have every chunk; never sent half-made
                     raise KVError(KVErrorCode.KV_INTERNAL, f"chunk {i} missing", kv_id=obj.kv_id)
                 yield message
@@ -320,6 +327,93 @@ class KVService:
         finally:
             obj.readers -= 1
         self._count("get", op.bytes, end - request.from_chunk, start)
+
+    # --- data plane (pdx.serving.kv_data): the same rules, bytes moved by a thread ---------
+
+    async def data_put(
+        self,
+        header: pb.PutHeader,
+        who: str,
+        peer: str,
+        timeout_s: float | None,
+        handoff: Handoff,
+    ) -> pb.PutResponse:
+        """A Put whose chunks a data-plane connection thread receives and checks."""
+        async with (
+            self._audit_op("put", who, peer, transport="data") as op,
+            self._slot_wait(timeout_s),
+        ):
+            obj = self.store.begin_put(header, who)
+            op.kv_id = obj.kv_id
+            op.extra["start_chunk"] = header.start_chunk
+            if obj.buffer is None and obj.missing() == obj.num_chunks:
+                obj.buffer = BUFFERS.get(obj.size_bytes)
+            start = time.perf_counter()
+            try:
+                got: PutOutcome = await handoff.exchange(obj)
+                if got.chunks:
+                    self.store.put_verified(obj, header.start_chunk, got.chunks)
+                op.bytes = got.nbytes
+                if got.error is not None:
+                    raise got.error
+                if got.trailer_digest is not None:
+                    self.store.set_object_digest(obj, got.trailer_digest)
+            except BaseException:
+                self.store.abandon(obj, "upload failed")
+                raise
+            self._count("put", got.nbytes, len(got.chunks), start)
+            missing = self.store.finish_put(obj)
+            op.extra["missing_chunks"] = missing
+            return pb.PutResponse(info=self.store.info(obj), missing_chunks=missing)
+
+    async def data_get(
+        self,
+        request: pb.GetRequest,
+        who: str,
+        peer: str,
+        timeout_s: float | None,
+        handoff: Handoff,
+    ) -> None:
+        """A Get whose chunks a data-plane connection thread sends."""
+        async with self._audit_op("get", who, peer, transport="data") as op:
+            op.kv_id = request.kv_id
+            async with self._slot_wait(timeout_s):
+                obj = self.store.lookup(request.kv_id)
+                end = request.to_chunk or obj.num_chunks
+                if not request.from_chunk <= end <= obj.num_chunks:
+                    raise KVError(
+                        KVErrorCode.KV_INVALID,
+                        f"chunk range {request.from_chunk}..{end} outside 0..{obj.num_chunks}",
+                        kv_id=obj.kv_id,
+                    )
+                op.extra["from_chunk"] = request.from_chunk
+                chunks = [(i, obj.digests[i], obj.data[i]) for i in range(request.from_chunk, end)]
+                if any(c[2] is None for c in chunks):
+                    raise KVError(KVErrorCode.KV_INTERNAL, "chunk missing", kv_id=obj.kv_id)
+                obj.readers += 1
+                start = time.perf_counter()
+                try:
+                    sent: GetOutcome = await handoff.exchange((self.store.info(obj), chunks))
+                finally:
+                    obj.readers -= 1
+                op.bytes = sent.nbytes
+                if sent.error is not None:
+                    raise sent.error
+                self._count("get", sent.nbytes, sent.chunks, start)
+
+    async def data_plane(
+        self, request: pb.DataPlaneRequest, context: grpc.aio.ServicerContext
+    ) -> pb.DataPlaneResponse:
+        """Where the data plane listens (``enabled=false`` when it is off)."""
+        ds = self.data_server
+        if ds is None:
+            return pb.DataPlaneResponse(enabled=False)
+        return pb.DataPlaneResponse(
+            enabled=True,
+            port=ds.port,
+            tls=ds.ssl_context is not None,
+            max_frame_bytes=ds.max_frame_bytes,
+        )
 
     async def release(
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
@@ -368,6 +462,7 @@ class KVService:
                 "Release": _unary(self.release, pb.ReleaseRequest),
                 "Renew": _unary(self.renew, pb.RenewRequest),
                 "Stat": _unary(self.stat, pb.StatRequest),
+                "DataPlane": _unary(self.data_plane, pb.DataPlaneRequest),
             },
         )
 
@@ -402,6 +497,8 @@ class KVServer:
     async def stop(self, grace_s: float | None = 1.0) -> None:
         """Graceful shutdown: health NOT_SERVING, then ``stop(grace)``; sweeper stopped."""
         await self.health.enter_graceful_shutdown()
+        if self.service.data_server is not None:
+            await asyncio.to_thread(self.service.data_server.stop, grace_s or 0.5)
         await self.grpc_server.stop(grace_s)
         if self._sweeper is not None:
             self._sweeper.cancel()
@@ -437,11 +534,30 @@ async def create_kv_server(
     else:
         port = server.add_insecure_port(address)
     await server.start()
+    if cfg.data_plane:
+        service.data_server = _data_server(service, cfg)
+        service.data_server.start()
     for name in ("", SERVICE_NAME):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     kv_server = KVServer(server, service, health_servicer)
     kv_server._sweeper = asyncio.create_task(kv_server._sweep_forever())
     return kv_server, port
+
+
+def _data_server(service: KVService, cfg: KVStoreConfig) -> DataServer:
+    ssl_context = None
+    if cfg.tls is not None:
+        from pdx.serving.tls import server_ssl_context
+
+        ssl_context = server_ssl_context(cfg.tls)
+    return DataServer(
+        service,
+        asyncio.get_running_loop(),
+        cfg.host,
+        cfg.data_port,
+        ssl_context=ssl_context,
+        max_frame_bytes=cfg.chunk_size_kb_max * 1024,
+    )
 
 
 def tune_malloc() -> bool:
@@ -470,7 +586,7 @@ def tune_malloc() -> bool:
 
 async def serve_kv(
     cfg: KVStoreConfig,
-    on_ready: Callable[[int], None],
+    on_ready: Callable[[int, int | None], None],
     *,
     metrics_port: int | None = None,
     grace_s: float = 5.0,
@@ -489,7 +605,8 @@ async def serve_kv(
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        on_ready(port)
+        ds = server.service.data_server
+        on_ready(port, ds.port if ds is not None else None)
         await stop.wait()
     finally:
         await server.stop(grace_s)

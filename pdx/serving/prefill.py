@@ -339,6 +339,8 @@ def kv_client_config(cfg: DeployConfig, client_id: str) -> KVClientConfig:
         chunk_size_kb=kv.chunk_size_kb,
         kv_ttl_seconds=kv.kv_ttl_seconds,
         client_id=client_id,
+        # The fault proxy sits on the store's gRPC port: every KV byte must cross it.
+        transport="grpc" if kv.via_proxy else kv.transport,
     )
 
 

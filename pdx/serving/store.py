@@ -30,7 +30,7 @@ from pdx.serving.contract import (
     new_kv_id,
     parse_kv_id,
 )
-from pdx.serving.kv_wire import ChunkView, digest64
+from pdx.serving.kv_wire import ChunkView, digest64, encode_chunk
 from pdx.serving.metrics import KVMetrics
 from pdx.units import KIB
 
@@ -63,6 +63,7 @@ class StoredObject:
     hasher: Any = field(default_factory=xxhash.xxh3_64)
     hashed: int = 0  # chunks [0, hashed) are in ``hasher``: the object digest grows in order
     digest_pending: bool = False  # object_digest still to come in a PutTrailer
+    buffer: memoryview | None = None  # the whole object, when it arrives over the data plane
 
     def hash_prefix(self) -> None:
         """Feed every newly contiguous chunk into the running object digest."""
@@ -82,7 +83,18 @@ class StoredObject:
 
     def missing(self) -> int:
         """Chunks not received yet."""
-        return sum(1 for m in self.messages if m is None)
+        return sum(1 for d in self.data if d is None)
+
+    def chunk_message(self, index: int) -> bytes | None:
+        """Chunk ``index`` as a gRPC chunk message (built once if it came over the data plane)."""
+        message = self.messages[index]
+        if message is None:
+            data = self.data[index]
+            if data is None:
+                return None
+            message = encode_chunk(index, data, self.digests[index])
+            self.messages[index] = message
+        return message
 
 
 class KVStore:
@@ -210,6 +222,24 @@ class KVStore:
         obj.messages[i] = message
         obj.data[i] = chunk.data
         obj.digests[i] = chunk.digest
+        obj.hash_prefix()
+
+    def put_verified(
+        self, obj: StoredObject, first: int, chunks: list[tuple[int, memoryview]]
+    ) -> None:
+        """Keep chunks ``first, first+1, ...`` that the data plane already checked.
+
+        The data plane receives each chunk into its own buffer and verifies its length
+        and digest in the receiving thread; here they only join the object, in the
+        store's one thread.
+        """
+        for i, (digest, data) in enumerate(chunks, start=first):
+            if i >= obj.num_chunks or len(data) != obj.chunk_len(i):
+                raise KVError(
+                    KVErrorCode.KV_INTERNAL, f"chunk {i}: unchecked chunk", kv_id=obj.kv_id
+                )
+            obj.data[i] = data
+            obj.digests[i] = digest
         obj.hash_prefix()
 
     def finish_put(self, obj: StoredObject) -> int:

@@ -37,11 +37,18 @@ async def kv_server_factory(
         await server.stop(0.2)
 
 
+@pytest.fixture(params=["data", "grpc"])
+def kv_transport(request: pytest.FixtureRequest) -> str:
+    """Each client test runs over both transports: the data plane and gRPC messages."""
+    return str(request.param)
+
+
 @pytest.fixture
-def kv_client_cfg() -> Callable[..., KVClientConfig]:
+def kv_client_cfg(kv_transport: str) -> Callable[..., KVClientConfig]:
     """Client config with a test-friendly deadline (loopback under a busy CI box)."""
 
     def make(**kw: Any) -> KVClientConfig:
+        kw.setdefault("transport", kv_transport)
         kw.setdefault("kv_transfer_timeout_ms", 5000)
         kw.setdefault("chunk_size_kb", 64)
         return KVClientConfig(**kw)

@@ -112,3 +112,31 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
     )
     for path in sorted(out.iterdir()):
         assert path.read_text() == (ROOT / "pdx" / "_proto" / path.name).read_text(), path.name
+
+
+def test_data_plane_rules_are_what_the_code_does() -> None:
+    from pdx.serving import kv_data
+
+    dp = CONTRACT["data_plane"]
+    assert dp["frame_header"]["bytes"] == kv_data.FRAME.size
+    assert kv_data.FRAME.format.startswith("<")  # little-endian
+    assert dp["kinds"] == {k.name: k.value for k in kv_data.Kind}
+    assert dp["version"] == kv_data.VERSION == c.CONTRACT_VERSION
+    assert "60 s" in dp["connections"] and kv_data.IDLE_TIMEOUT_S == 60
+    defaults = c.config_defaults()
+    assert defaults["store"]["data_plane"] is True and defaults["client"]["transport"] == "auto"
+    proto = (ROOT / "contracts" / "kv_transfer.proto").read_text()
+    for kind in kv_data.Kind:  # the proto's framing comment lists the same kinds
+        assert re.search(rf"^//\s+{kind.value} {kind.name}\b", proto, re.M), kind.name
+    assert "DataPlane" in {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
+
+
+def test_data_plane_tls_is_13_only_with_client_certificates(tmp_path: Path) -> None:
+    import ssl
+
+    from pdx.serving.tls import init_certs, server_ssl_context
+
+    init_certs(tmp_path)
+    ctx = server_ssl_context(c.TLSConfig(cert_dir=tmp_path, name="kv-store"))
+    assert ctx.minimum_version is ssl.TLSVersion.TLSv1_3
+    assert ctx.verify_mode is ssl.CERT_REQUIRED

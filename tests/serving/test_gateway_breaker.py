@@ -22,7 +22,8 @@ from pdx.serving.prefill import PrefillNode
 
 SETS = ["router.local_prefill_max_tokens=8", "router.breaker_min_samples=4",
         "router.breaker_window=5", "router.success_rate_threshold=0.9",
-        "router.breaker_open_s=0.3", "kv.kv_transfer_timeout_ms=5000"]  # fmt: skip
+        "router.breaker_open_s=0.3", "kv.kv_transfer_timeout_ms=5000",
+        "kv.transport=grpc"]  # the proxy fronts the store's gRPC port  # fmt: skip
 
 
 @pytest.fixture

@@ -23,28 +23,43 @@ def _host_port(target: str) -> tuple[str, int]:
     return host, int(port)
 
 
+def _upstream(server, target: str, transport: str) -> tuple[str, int]:
+    """What the fault proxy fronts: the data plane's port, or the gRPC port."""
+    if transport == "data":
+        return "127.0.0.1", server.service.data_server.port
+    return _host_port(target)
+
+
+def _via(proxy: FaultProxy, target: str, transport: str, cfg) -> KVClient:
+    """A client whose bulk bytes cross ``proxy`` (control calls go direct on the data plane)."""
+    if transport == "data":
+        return KVClient(target, cfg.model_copy(update={"data_target": f"127.0.0.1:{proxy.port}"}))
+    return KVClient(f"127.0.0.1:{proxy.port}", cfg)
+
+
 async def test_flipped_byte_is_kv_corrupt_then_resumed_retry(
-    kv_server_factory, kv_client_cfg
+    kv_server_factory, kv_client_cfg, kv_transport
 ) -> None:
     server, target = await kv_server_factory()
     data = os.urandom(2_000_000)  # 31 chunks of 64 KiB
     async with KVClient(target, kv_client_cfg()) as direct:
         kv_id = await direct.put(data)
     flip = Corrupt(name="flip", direction="downstream", offset=1_200_000, seed=7)
-    async with FaultProxy(("127.0.0.1", 0), _host_port(target), toxics=[flip]) as proxy:
-        proxy_target = f"127.0.0.1:{proxy.port}"
-        async with KVClient(proxy_target, kv_client_cfg(kv_retry_budget=0)) as strict:
+    upstream = _upstream(server, target, kv_transport)
+    async with FaultProxy(("127.0.0.1", 0), upstream, toxics=[flip]) as proxy:
+        async with _via(proxy, target, kv_transport, kv_client_cfg(kv_retry_budget=0)) as strict:
             with pytest.raises(KVError) as err:
                 await strict.get(kv_id)
         assert err.value.code is KVErrorCode.KV_CORRUPT
         assert err.value.resume_chunk is not None and err.value.resume_chunk > 10
         proxy.remove_toxic("flip")
         proxy.add_toxic(Corrupt(name="flip2", direction="downstream", offset=1_200_000, seed=7))
-        async with KVClient(proxy_target, kv_client_cfg(kv_retry_budget=2)) as kv:
+        async with _via(proxy, target, kv_transport, kv_client_cfg(kv_retry_budget=2)) as kv:
             obj = await kv.get(kv_id)
     assert bytes(obj.data) == data
     rec = kv.records()[-1]
     assert rec.outcome == "ok" and rec.retries == 1
+    assert kv.audit.records(event="get", side="client")[-1]["transport"] == kv_transport
     # Resumed at the chunk that failed in this transfer, not from zero. (Which chunk the byte
     # at stream offset 1.2 MB lands in differs between connections: HTTP/2 control frames
     # interleave differently, so the first connection's chunk is not compared.)
@@ -58,13 +73,14 @@ async def test_flipped_byte_is_kv_corrupt_then_resumed_retry(
 
 
 async def test_flipped_byte_on_put_is_caught_by_store_and_resumed(
-    kv_server_factory, kv_client_cfg
+    kv_server_factory, kv_client_cfg, kv_transport
 ) -> None:
     server, target = await kv_server_factory()
     data = os.urandom(1_500_000)
     flip = Corrupt(name="flip", direction="upstream", offset=900_000, seed=3)
-    async with FaultProxy(("127.0.0.1", 0), _host_port(target), toxics=[flip]) as proxy:  # noqa: SIM117 (port known only once started)
-        async with KVClient(f"127.0.0.1:{proxy.port}", kv_client_cfg()) as kv:
+    upstream = _upstream(server, target, kv_transport)
+    async with FaultProxy(("127.0.0.1", 0), upstream, toxics=[flip]) as proxy:  # noqa: SIM117 (port known only once started)
+        async with _via(proxy, target, kv_transport, kv_client_cfg()) as kv:
             kv_id = await kv.put(data)
             obj = await kv.get(kv_id)
     assert bytes(obj.data) == data
@@ -75,9 +91,12 @@ async def test_flipped_byte_on_put_is_caught_by_store_and_resumed(
     assert server.metrics.value("pdx_kv_corrupt_chunks_total", side="store") == 1
 
 
-async def test_random_flips_are_never_silent(kv_server_factory, kv_client_cfg) -> None:
+async def test_random_flips_are_never_silent(
+    kv_server_factory, kv_client_cfg, kv_transport
+) -> None:
     """N transfers, each with one byte flipped at a random offset: 0 undetected."""
-    _, target = await kv_server_factory()
+    server, target = await kv_server_factory()
+    upstream = _upstream(server, target, kv_transport)
     data = os.urandom(1_000_000)
     async with KVClient(target, kv_client_cfg()) as direct:
         kv_id = await direct.put(data)
@@ -88,8 +107,8 @@ async def test_random_flips_are_never_silent(kv_server_factory, kv_client_cfg) -
         flip = Corrupt(
             name=f"f{i}", direction="downstream", offset=rng.randrange(200, 1_000_000), seed=i
         )
-        async with FaultProxy(("127.0.0.1", 0), _host_port(target), toxics=[flip]) as proxy:
-            async with KVClient(f"127.0.0.1:{proxy.port}", kv_client_cfg(kv_retry_budget=0)) as kv:
+        async with FaultProxy(("127.0.0.1", 0), upstream, toxics=[flip]) as proxy:
+            async with _via(proxy, target, kv_transport, kv_client_cfg(kv_retry_budget=0)) as kv:
                 try:
                     obj = await kv.get(kv_id)
                 except KVError as exc:
@@ -103,15 +122,18 @@ async def test_random_flips_are_never_silent(kv_server_factory, kv_client_cfg) -
     assert detected >= n - 3  # a flip can land in a frame the stack discards; it is then harmless
 
 
-async def test_stalled_upstream_times_out_within_deadline(kv_server_factory, kv_client_cfg) -> None:
-    _, target = await kv_server_factory()
+async def test_stalled_upstream_times_out_within_deadline(
+    kv_server_factory, kv_client_cfg, kv_transport
+) -> None:
+    server, target = await kv_server_factory()
     async with KVClient(target, kv_client_cfg()) as direct:
         kv_id = await direct.put(os.urandom(500_000))
+        warm = await direct.put(b"warm")
     async with (
-        FaultProxy(("127.0.0.1", 0), _host_port(target)) as proxy,
-        KVClient(f"127.0.0.1:{proxy.port}", kv_client_cfg(kv_transfer_timeout_ms=300)) as kv,
+        FaultProxy(("127.0.0.1", 0), _upstream(server, target, kv_transport)) as proxy,
+        _via(proxy, target, kv_transport, kv_client_cfg(kv_transfer_timeout_ms=300)) as kv,
     ):
-        await kv.stat(kv_id)  # connection up, then the link goes silent
+        await kv.get(warm)  # connection up, then the link goes silent
         proxy.add_toxic(Timeout(name="blackhole", direction="downstream"))
         t0 = time.monotonic()
         with pytest.raises(KVError) as err:
@@ -123,11 +145,13 @@ async def test_stalled_upstream_times_out_within_deadline(kv_server_factory, kv_
     assert kv.audit.records(event="get", outcome="KV_TIMEOUT")
 
 
-async def test_stalled_put_times_out_within_deadline(kv_server_factory, kv_client_cfg) -> None:
-    _, target = await kv_server_factory()
-    async with FaultProxy(("127.0.0.1", 0), _host_port(target)) as proxy:
+async def test_stalled_put_times_out_within_deadline(
+    kv_server_factory, kv_client_cfg, kv_transport
+) -> None:
+    server, target = await kv_server_factory()
+    async with FaultProxy(("127.0.0.1", 0), _upstream(server, target, kv_transport)) as proxy:
         cfg = kv_client_cfg(kv_transfer_timeout_ms=300)
-        async with KVClient(f"127.0.0.1:{proxy.port}", cfg) as kv:
+        async with _via(proxy, target, kv_transport, cfg) as kv:
             await kv.release(await kv.put(b"warm" * 100))
             proxy.add_toxic(Timeout(name="blackhole", direction="upstream"))
             t0 = time.monotonic()
