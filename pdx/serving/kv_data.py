@@ -684,6 +684,7 @@ class DataServer:
                 raise _corrupt(obj.kv_id, index, "digest mismatch")
             out.chunks.append((digest, view))
             out.nbytes += length
+            obj.hash_verified(index, view)  # while the chunk is still in cache
             index += 1
 
     def _get(self, conn: Conn, request: pb.GetRequest, timeout_s: float | None) -> bool:

@@ -9,6 +9,7 @@ their reason and the object digest.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Any
@@ -64,12 +65,27 @@ class StoredObject:
     hashed: int = 0  # chunks [0, hashed) are in ``hasher``: the object digest grows in order
     digest_pending: bool = False  # object_digest still to come in a PutTrailer
     buffer: memoryview | None = None  # the whole object, when it arrives over the data plane
+    # The data plane's receiving thread may grow the digest too (see hash_verified).
+    hash_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def hash_prefix(self) -> None:
         """Feed every newly contiguous chunk into the running object digest."""
-        while self.hashed < self.num_chunks and self.data[self.hashed] is not None:
-            self.hasher.update(self.data[self.hashed])
-            self.hashed += 1
+        with self.hash_lock:
+            while self.hashed < self.num_chunks and self.data[self.hashed] is not None:
+                self.hasher.update(self.data[self.hashed])
+                self.hashed += 1
+
+    def hash_verified(self, index: int, data: memoryview) -> None:
+        """(any thread) Grow the object digest by a verified chunk if it is the next one.
+
+        The data plane checks chunks in its own thread and hands them to the store in
+        one batch at the end; growing the digest there as they arrive keeps that pass off
+        the store's loop. A chunk hashed here is always kept (``put_verified``).
+        """
+        with self.hash_lock:
+            if self.hashed == index:
+                self.hasher.update(data)
+                self.hashed += 1
 
     def chunk_len(self, index: int) -> int:
         """Payload length of chunk ``index`` (the last one may be short)."""
