@@ -183,7 +183,7 @@ class Conn:
     def __init__(self, sock: socket.socket) -> None:
         sock.settimeout(None)
         self.sock = sock
-        self.tls = isinstance(sock, ssl.SSLSocket)
+        self.tls = False
         self.deadline: float | None = None
         self.peer = _peer_name(sock)
         self._poll = select.poll()
@@ -233,18 +233,24 @@ class Conn:
         """One frame with a control payload (a serialised message, or nothing)."""
         self._arm()
         try:
-            self.sock.sendall(FRAME.pack(kind, index, digest, len(payload)) + payload)
+            self._send(FRAME.pack(kind, index, digest, len(payload)) + payload)
         except OSError as exc:
             raise self._failed(exc) from None
+
+    def _send(self, *parts: bytes | memoryview) -> None:
+        for part in parts:
+            self.sock.sendall(part)
+
+    def _recv_some(self, view: memoryview, n: int) -> int:
+        return self.sock.recv_into(view, n)
 
     def send_chunk(self, index: int, digest: int, data: memoryview) -> None:
         """A CHUNK frame sent from ``data`` itself (no copy into a message)."""
         header = FRAME.pack(Kind.CHUNK, index, digest, len(data))
         self._arm()
         try:
-            if self.tls:  # SSLSocket has no sendmsg; two records, still no payload copy
-                self.sock.sendall(header)
-                self.sock.sendall(data)
+            if self.tls:
+                self._send(header, data)
                 return
             parts: list[memoryview] = [memoryview(header), data]
             while parts:
@@ -266,7 +272,7 @@ class Conn:
     def recv_into(self, view: memoryview) -> None:
         """Fill ``view`` exactly from the socket."""
         got, n = 0, len(view)
-        recv = self.sock.recv_into
+        recv = self._recv_some
         self._arm()
         try:
             while got < n:  # TLS hands out one 16 KiB record per call: keep this loop lean
@@ -285,7 +291,7 @@ class Conn:
         view = memoryview(self._hdr)
         self._arm()
         try:
-            k = self.sock.recv_into(view, len(view))
+            k = self._recv_some(view, len(view))
         except OSError as exc:
             raise self._failed(exc) from None
         if not k:
@@ -339,6 +345,91 @@ class Conn:
             self.sock.close()
 
     close = abort
+
+
+class TLSConn(Conn):
+    """A data-plane connection under TLS, with OpenSSL working on memory buffers.
+
+    Why not ``ssl.SSLSocket``: it makes OpenSSL read each 16 KiB record with two small
+    ``read`` calls and write it with one ``write``, about 200 system calls per MiB each
+    way. Here whole MiB-sized reads and writes go to the socket and OpenSSL en- and
+    decrypts between memory buffers: one extra memory copy per side, far fewer system
+    calls; about 20 % more goodput on the 2-core test box (raw stream, 1 GiB, 1 MiB
+    writes: 1.65-1.78 against 1.33-1.41 GB/s).
+    """
+
+    READ_BYTES = 1 << 20
+
+    def __init__(self, sock: socket.socket, tls: ssl.SSLObject, inc: ssl.MemoryBIO,
+                 out: ssl.MemoryBIO) -> None:  # fmt: skip
+        super().__init__(sock)
+        self.tls = True
+        self.tls_object = tls
+        self._in = inc
+        self._out = out
+        self._raw = memoryview(bytearray(self.READ_BYTES))
+
+    def _flush(self) -> None:
+        if self._out.pending:
+            self.sock.sendall(self._out.read())
+
+    def _send(self, *parts: bytes | memoryview) -> None:
+        for part in parts:
+            self.tls_object.write(part)
+        self._flush()
+
+    def _recv_some(self, view: memoryview, n: int) -> int:
+        while True:
+            try:
+                return self.tls_object.read(n, view)  # type: ignore[return-value]  # an int with a buffer
+            except ssl.SSLWantReadError:
+                k = self.sock.recv_into(self._raw)
+                if not k:
+                    return 0
+                self._in.write(self._raw[:k])
+            except ssl.SSLZeroReturnError:  # the peer's close_notify
+                return 0
+
+    def getpeercert(self) -> Any:
+        """The verified peer certificate (as ``SSLSocket.getpeercert``)."""
+        return self.tls_object.getpeercert()
+
+
+def tls_handshake(
+    sock: socket.socket,
+    ctx: ssl.SSLContext,
+    *,
+    server_side: bool,
+    hostname: str | None = None,
+    timeout_s: float = HANDSHAKE_TIMEOUT_S,
+) -> TLSConn:
+    """Run the TLS handshake over ``sock`` (bounded by ``timeout_s``); a :class:`TLSConn`.
+
+    A failure raises ``ssl.SSLError`` after the alert (e.g. "certificate required") has
+    been sent to the peer, so the other side learns why.
+    """
+    inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
+    tls = ctx.wrap_bio(inc, out, server_side=server_side, server_hostname=hostname)
+    sock.settimeout(timeout_s)
+    while True:
+        try:
+            tls.do_handshake()
+            break
+        except ssl.SSLWantReadError:
+            if out.pending:
+                sock.sendall(out.read())
+            data = sock.recv(65536)
+            if not data:
+                raise ConnectionResetError("closed during the TLS handshake") from None
+            inc.write(data)
+        except ssl.SSLError:
+            if out.pending:  # the alert that tells the peer why
+                with contextlib.suppress(OSError):
+                    sock.sendall(out.read())
+            raise
+    if out.pending:
+        sock.sendall(out.read())
+    return TLSConn(sock, tls, inc, out)
 
 
 def _peer_name(sock: socket.socket) -> str:
@@ -529,15 +620,16 @@ class DataServer:
         peer = _peer_name(sock)
         who = "anonymous"
         try:
+            conn: Conn
             if self.ssl_context is not None:
-                sock.settimeout(HANDSHAKE_TIMEOUT_S)
-                sock = self.ssl_context.wrap_socket(sock, server_side=True)
+                conn = tls_handshake(sock, self.ssl_context, server_side=True)
                 from pdx.serving.tls import peer_common_name
 
-                cn = peer_common_name(sock)  # type: ignore[arg-type]
+                cn = peer_common_name(conn)  # type: ignore[arg-type]
                 if cn:
                     who = "cn=" + cn
-            conn = Conn(sock)
+            else:
+                conn = Conn(sock)
             conn.set_deadline(time.monotonic() + HANDSHAKE_TIMEOUT_S)
             _, payload = conn.recv_control(Kind.HELLO)
             hello = pb.DataHello.FromString(payload)
@@ -610,8 +702,8 @@ class DataServer:
             exc = KVError(KVErrorCode.KV_INTERNAL, f"{type(exc).__name__}: {exc}")
         payload = error_payload(exc)
         with contextlib.suppress(OSError):
-            # Straight to the socket: this also runs after the deadline expired the reads.
-            conn.sock.sendall(FRAME.pack(Kind.ERROR, 0, 0, len(payload)) + payload)
+            # Not send_frame: this also runs after the deadline expired the reads.
+            conn._send(FRAME.pack(Kind.ERROR, 0, 0, len(payload)) + payload)
             # Let the client read the error before the close: stop sending, drain briefly.
             conn.sock.shutdown(socket.SHUT_WR)
             conn.set_deadline(time.monotonic() + 1.0)
@@ -763,9 +855,14 @@ class Endpoint:
             ) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn: Conn
             if self.ssl_context is not None:
-                sock = self.ssl_context.wrap_socket(sock, server_hostname=self.host)
-            conn = Conn(sock)
+                left = max(0.001, deadline - time.monotonic())
+                conn = tls_handshake(
+                    sock, self.ssl_context, server_side=False, hostname=self.host, timeout_s=left
+                )
+            else:
+                conn = Conn(sock)
             conn.set_deadline(deadline)
             hello = pb.DataHello(version=VERSION, client_id=self.client_id)
             conn.send_frame(Kind.HELLO, hello.SerializeToString())
