@@ -102,14 +102,17 @@ class StoredObject:
         return sum(1 for d in self.data if d is None)
 
     def chunk_message(self, index: int) -> bytes | None:
-        """Chunk ``index`` as a gRPC chunk message (built once if it came over the data plane)."""
+        """Chunk ``index`` as a gRPC chunk message.
+
+        A chunk that came over the data plane has no message: one is built for each
+        gRPC Get and not kept, so the object never takes twice its size in memory.
+        """
         message = self.messages[index]
         if message is None:
             data = self.data[index]
             if data is None:
                 return None
-            message = encode_chunk(index, data, self.digests[index])
-            self.messages[index] = message
+            return encode_chunk(index, data, self.digests[index])
         return message
 
 

@@ -35,6 +35,8 @@ def test_certs_init_then_refuses_to_overwrite(tmp_path: Path) -> None:
         (["kv-bench", "--bytes", "lots"], "--bytes: got 'lots'"),
         (["kv-bench", "--bytes", "8MB", "--chunk-kb", "32"], "chunk_size_kb"),
         (["kv-bench", "--bytes", "8MB", "--codec", "nope"], "codec: got 'nope'"),
+        (["kv-bench", "--bytes", "8MB", "--transport", "udp"], "transport"),
+        (["kv-serve", "--data-port", "70000"], "data_port"),
         (["kv-serve", "--ttl-s", "30"], "kv_ttl_seconds"),
         (["kv-serve", "--set", "max_inflight_kv=0"], "max_inflight_kv"),
         (["kv-serve", "--tls-dir", "/nonexistent", "--port", "0"], "tls"),
@@ -57,6 +59,7 @@ def test_kv_bench_json_runs_a_real_store_process() -> None:
     assert out["put_gbytes_per_s"] > 0 and out["get_gbytes_per_s"] > 0
     assert out["chunk_kb"] == 256 and out["checksums"] is True and out["tls"] is False
     assert out["payload_bytes"] == 16_000_000 and out["retries"] == 0
+    assert out["transport"] == "data"  # the default: the store's data plane
     for phase in ("put_cpu_s_per_gb", "get_cpu_s_per_gb"):
         # The store's share is read in clock ticks (10 ms): 16 MB may show as 0.
         assert out[phase]["client"] > 0 and out[phase]["store"] >= 0
@@ -64,9 +67,12 @@ def test_kv_bench_json_runs_a_real_store_process() -> None:
 
 @pytest.mark.slow
 def test_kv_bench_with_tls() -> None:
-    res = runner.invoke(app, ["kv-bench", "--bytes", "4MB", "--tls", "--repeat", "1", "--json"])
-    assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["tls"] is True
+    args = ["kv-bench", "--bytes", "4MB", "--tls", "--repeat", "1", "--json"]
+    for transport in ("data", "grpc"):
+        res = runner.invoke(app, [*args, "--transport", transport])
+        assert res.exit_code == 0, res.output
+        out = json.loads(res.stdout)
+        assert out["tls"] is True and out["transport"] == transport
 
 
 def test_process_cpu_s_reads_this_and_another_process() -> None:
