@@ -478,12 +478,29 @@ class Handoff:
         self.loop = loop
         self.given: concurrent.futures.Future[Any] = concurrent.futures.Future()
         self._answer: asyncio.Future[Any] | None = None
+        self._abandoned: BaseException | None = None
 
     async def exchange(self, value: Any) -> Any:
         """(loop) Give ``value`` to the thread; wait for what it delivers."""
+        if self._abandoned is not None:  # the thread stopped waiting for us
+            raise self._abandoned
         self._answer = self.loop.create_future()
         self.given.set_result(value)
         return await self._answer
+
+    def abandon(self, exc: BaseException) -> None:
+        """(thread) Stop waiting: an :meth:`exchange` now or later raises ``exc``.
+
+        Without this, a request whose store side got going only after the connection
+        thread gave up would wait for an answer forever, holding its slot.
+        """
+
+        def mark() -> None:
+            self._abandoned = exc
+            if self._answer is not None and not self._answer.done():
+                self._answer.set_exception(exc)
+
+        self.loop.call_soon_threadsafe(mark)
 
     def wait(self, call: concurrent.futures.Future[Any], timeout_s: float) -> Any:
         """(thread) The value given, or the call's own outcome if it ended before giving one."""
@@ -722,6 +739,7 @@ class DataServer:
         try:
             obj = handoff.wait(call, timeout_s or DEFAULT_REQUEST_TIMEOUT_S)
         except BaseException as exc:
+            handoff.abandon(_as_kv_error(exc))
             self._send_error(conn, _as_kv_error(exc))
             return False
         outcome = PutOutcome()
@@ -786,6 +804,7 @@ class DataServer:
         try:
             info, chunks = handoff.wait(call, timeout_s or DEFAULT_REQUEST_TIMEOUT_S)
         except BaseException as exc:
+            handoff.abandon(_as_kv_error(exc))
             self._send_error(conn, _as_kv_error(exc))
             return False
         outcome = GetOutcome()

@@ -281,3 +281,47 @@ async def test_an_object_written_on_one_transport_reads_on_the_other(
     obj = server.store.lookup(kv_id)
     if writer == "data":  # gRPC reads build messages on the fly and keep none
         assert obj.messages == [None] * obj.num_chunks
+
+
+async def test_a_handoff_the_thread_gave_up_on_never_waits_forever() -> None:
+    from pdx.serving.kv_data import Handoff
+
+    loop = asyncio.get_running_loop()
+    late = Handoff(loop)
+    late.abandon(KVError(KVErrorCode.KV_TIMEOUT, "gave up"))
+    await asyncio.sleep(0)  # the mark runs on the loop
+    with pytest.raises(KVError):
+        await asyncio.wait_for(late.exchange("object"), 1)
+    waiting = Handoff(loop)
+    task = asyncio.create_task(waiting.exchange("object"))
+    await asyncio.sleep(0.01)
+    assert waiting.given.result() == "object"
+    waiting.abandon(KVError(KVErrorCode.KV_TIMEOUT, "gave up"))
+    with pytest.raises(KVError):
+        await asyncio.wait_for(task, 1)
+
+
+async def test_a_request_queued_past_its_deadline_leaves_no_slot_behind(
+    kv_server_factory,
+) -> None:
+    from test_kv_faults import _hold_slot, _until_inflight
+
+    server, target = await kv_server_factory(max_inflight_kv=1, inflight_wait_ms=3000)
+    async with KVClient(target, _cfg(transport="data")) as kv:
+        kv_id = await kv.put(os.urandom(100_000))
+    gate = asyncio.Event()
+    hog = asyncio.create_task(_hold_slot(target, lambda **kw: _cfg(**kw), gate))
+    await _until_inflight(server, 1)
+    async with KVClient(target, _cfg(transport="data", kv_transfer_timeout_ms=300)) as kv:
+        with pytest.raises(KVError) as err:
+            await kv.get(kv_id)
+    assert err.value.code in (
+        KVErrorCode.KV_TIMEOUT,
+        KVErrorCode.KV_OVERLOADED,
+        KVErrorCode.RETRY_BUDGET_EXHAUSTED,
+    )
+    hog.cancel()
+    await asyncio.gather(hog, return_exceptions=True)
+    await _until_inflight(server, 0)
+    async with KVClient(target, _cfg(transport="data")) as kv:
+        assert len((await kv.get(kv_id)).data) == 100_000
