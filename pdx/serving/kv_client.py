@@ -39,6 +39,7 @@ from pdx.serving.kv_data import (
     BUFFERS,
     Conn,
     ConnPool,
+    DataPlaneUnreachable,
     Endpoint,
     client_error,
     get_stream,
@@ -58,6 +59,7 @@ T = TypeVar("T")
 # lock). One pool for every client in the process; it grows only as transfers overlap.
 _IO = concurrent.futures.ThreadPoolExecutor(max_workers=64, thread_name_prefix="pdx-kv-io")
 _UNRESOLVED = object()
+DATA_RETRY_AFTER_S = 5.0  # auto: after the data port did not answer, gRPC for this long
 
 # After a link blip gRPC refuses calls until its reconnect backoff (default 1 s, growing)
 # expires; keep that short so a healed link is used again within ~0.1 s.
@@ -224,6 +226,7 @@ class KVClient:
         self._secure = credentials is not None or data_ssl is not None
         self._endpoint: Any = _UNRESOLVED
         self._endpoint_lock = asyncio.Lock()
+        self._data_down_until = 0.0  # auto: use gRPC until then (the data port did not answer)
         self._pool = ConnPool(limit=2 * max(self.cfg.streams, self.cfg.connections))
 
     def _channel(self, i: int, creds: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
@@ -366,6 +369,8 @@ class KVClient:
     async def _data_endpoint(self, req: _Request) -> Endpoint | None:
         if self.cfg.transport == "grpc":
             return None
+        if self.cfg.transport == "auto" and time.monotonic() < self._data_down_until:
+            return None
         if self._endpoint is _UNRESOLVED:
             async with self._endpoint_lock:
                 if self._endpoint is _UNRESOLVED:
@@ -425,7 +430,11 @@ class KVClient:
                 conn.close()
                 conn = self._pool.take()
             if conn is None:
-                conn = ep.connect(deadline)
+                try:
+                    conn = ep.connect(deadline)
+                except DataPlaneUnreachable:
+                    self._unreachable()
+                    raise
             used.append(conn)
             conn.set_deadline(deadline)
             try:
@@ -443,6 +452,32 @@ class KVClient:
             for conn in used:
                 conn.abort()
             raise
+
+    def _unreachable(self) -> None:
+        """The data port did not answer: ask the store again next time (it may have
+        restarted on another port); under ``auto`` use gRPC for a while meanwhile."""
+        self._endpoint = _UNRESOLVED
+        self._pool.close()
+        if self.cfg.transport == "auto":
+            self._data_down_until = time.monotonic() + DATA_RETRY_AFTER_S
+
+    async def _on_data_plane(
+        self, req: _Request, timeout_s: float, kv_id: str, work: Callable[[Conn, int], T]
+    ) -> tuple[bool, T | None]:
+        """Try ``work`` on the data plane: ``(True, result)``, or ``(False, None)`` when this
+        attempt should use gRPC (the data plane is off or, under ``auto``, unreachable)."""
+        ep = await self._data_endpoint(req)
+        if ep is None:
+            req.transport = "grpc"
+            return False, None
+        req.transport = "data"
+        try:
+            return True, await self._in_thread(ep, kv_id, timeout_s, work)
+        except DataPlaneUnreachable:
+            if self.cfg.transport != "auto":
+                raise
+            req.transport = "grpc"
+            return False, None
 
     # --- put --------------------------------------------------------------------------
 
@@ -486,9 +521,7 @@ class KVClient:
             chunk_size_bytes=chunk,
             upload_token=secrets.token_bytes(16),
         )
-        ep = await self._data_endpoint(req)
-        if ep is not None:
-            req.transport = "data"
+        await self._data_endpoint(req)  # a transport that cannot work fails here, not retried
         ranges = _split(n, self.cfg.streams)
         if len(ranges) == 1:
             # One stream sends every chunk in order: hash the object while streaming it
@@ -497,7 +530,7 @@ class KVClient:
         else:
             header.object_digest = digest64(view)
         results = await asyncio.gather(
-            *(self._put_range(req, ep, k, header, view, a, b) for k, (a, b) in enumerate(ranges))
+            *(self._put_range(req, k, header, view, a, b) for k, (a, b) in enumerate(ranges))
         )
         done = [r for r in results if r.missing_chunks == 0]
         if not done:
@@ -507,7 +540,6 @@ class KVClient:
     async def _put_range(
         self,
         req: _Request,
-        ep: Endpoint | None,
         k: int,
         header: pb.PutHeader,
         view: memoryview,
@@ -520,21 +552,21 @@ class KVClient:
         hdr.CopyFrom(header)
         while True:
             hdr.start_chunk = first
-            once: Callable[[float], Awaitable[Any]]
-            if ep is not None:
-                sent = pb.PutHeader()
-                sent.CopyFrom(hdr)
+            sent = pb.PutHeader()
+            sent.CopyFrom(hdr)
 
-                def work(conn: Conn, ms: int, h: pb.PutHeader = sent, a: int = first) -> Any:
-                    return put_stream(conn, h, view, a, end, ms)
+            def work(conn: Conn, ms: int, h: pb.PutHeader = sent, a: int = first) -> Any:
+                return put_stream(conn, h, view, a, end, ms)
 
-                async def once(timeout_s: float, w: Callable[..., Any] = work) -> Any:
-                    return await self._in_thread(ep, "", timeout_s, w)
-            else:
-                gen = _put_messages(hdr, view, first, end)
-
-                async def once(timeout_s: float, messages: AsyncIterator[bytes] = gen) -> Any:
-                    return await call(messages, timeout=timeout_s, metadata=self._metadata)
+            async def once(
+                timeout_s: float, h: pb.PutHeader = sent, a: int = first, w: Any = work
+            ) -> Any:
+                done, result = await self._on_data_plane(req, timeout_s, "", w)
+                if done:
+                    return result
+                messages = _put_messages(h, view, a, end)
+                left = max(req.remaining_s(), 0.001)
+                return await call(messages, timeout=left, metadata=self._metadata)
 
             try:
                 return await self._attempt(req, once)
@@ -564,22 +596,18 @@ class KVClient:
 
     async def _get_object(self, req: _Request, kv_id: str) -> KVObject:
         got = _Assembly(kv_id)
-        ep = await self._data_endpoint(req)
-        if ep is not None:
-            req.transport = "data"
+        await self._data_endpoint(req)  # a transport that cannot work fails here, not retried
         ranges = [(0, 0)]
         if self.cfg.streams > 1:
             stat = await self._unary(req, "Stat", pb.StatRequest(kv_id=kv_id), pb.StatResponse)
             got.accept_info(stat.info)
             ranges = _split(stat.info.num_chunks, self.cfg.streams)
         await asyncio.gather(
-            *(self._get_range(req, ep, k, got, a, b) for k, (a, b) in enumerate(ranges))
+            *(self._get_range(req, k, got, a, b) for k, (a, b) in enumerate(ranges))
         )
         return got.finish()
 
-    async def _get_range(
-        self, req: _Request, ep: Endpoint | None, k: int, got: _Assembly, start: int, end: int
-    ) -> None:
+    async def _get_range(self, req: _Request, k: int, got: _Assembly, start: int, end: int) -> None:
         call = self._rpc(
             k, "unary_stream", "Get", request_serializer=pb.GetRequest.SerializeToString
         )
@@ -600,11 +628,12 @@ class KVClient:
                 raise client_error(exc, got.kv_id, state["next"]) from None
 
         async def once(timeout_s: float) -> None:
-            if ep is not None:
-                await self._in_thread(ep, got.kv_id, timeout_s, work)
+            done, _ = await self._on_data_plane(req, timeout_s, got.kv_id, work)
+            if done:
                 return
             request = pb.GetRequest(kv_id=got.kv_id, from_chunk=state["next"], to_chunk=end)
-            stream = call(request, timeout=timeout_s, metadata=self._metadata)
+            left = max(req.remaining_s(), 0.001)
+            stream = call(request, timeout=left, metadata=self._metadata)
             try:
                 await self._receive(stream, got, state)
             finally:
@@ -676,6 +705,7 @@ class _Assembly:
         self.hashed = 0
         # Data plane: every chunk lands in this one buffer, filled by worker threads.
         self.buffer: memoryview | None = None
+        self.in_buffer = 0  # chunks that arrived there (the rest came over gRPC)
         self.lock = threading.Lock()
 
     def accept_info(self, info: pb.ObjectInfo) -> None:
@@ -733,6 +763,8 @@ class _Assembly:
         if digest64(view) != digest:
             raise self.corrupt(index, "digest mismatch")
         with self.lock:
+            if self.chunks[index] is None:
+                self.in_buffer += 1
             self.chunks[index] = view
             self._hash_prefix()
 
@@ -751,7 +783,7 @@ class _Assembly:
         got = self.whole.intdigest()
         if got != info.object_digest:
             raise self.corrupt(0, f"object digest {got:016x} != {info.object_digest:016x}")
-        joined = self.buffer if self.buffer is not None else None
+        joined = self.buffer if self.in_buffer == len(self.chunks) else None
         return KVObject(info, self.chunks, joined)  # type: ignore[arg-type]
 
     def corrupt(self, index: int | None, why: str) -> KVError:

@@ -74,6 +74,11 @@ class PeerClosed(ConnectionError):
     """The other side closed the connection."""
 
 
+class DataPlaneUnreachable(KVError):
+    """The data plane could not be dialed, nothing moved yet (``KV_UNAVAILABLE``, or
+    ``KV_TIMEOUT`` when the deadline passed while dialing)."""
+
+
 def new_buffer(nbytes: int) -> memoryview:
     """A writable buffer for received bytes, not zero-filled first (they are overwritten)."""
     return memoryview(np.empty(nbytes, dtype=np.uint8)).cast("B")  # type: ignore[arg-type]
@@ -867,9 +872,11 @@ class Endpoint:
         try:
             sock = socket.create_connection((self.host, self.port), timeout=left)
         except TimeoutError:
-            raise KVError(KVErrorCode.KV_TIMEOUT, "connect timed out") from None
+            raise DataPlaneUnreachable(
+                KVErrorCode.KV_TIMEOUT, f"data plane {self.host}:{self.port}: connect timed out"
+            ) from None
         except OSError as exc:
-            raise KVError(
+            raise DataPlaneUnreachable(
                 KVErrorCode.KV_UNAVAILABLE, f"data plane {self.host}:{self.port}: {exc}"
             ) from None
         try:

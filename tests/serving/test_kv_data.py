@@ -325,3 +325,42 @@ async def test_a_request_queued_past_its_deadline_leaves_no_slot_behind(
     await _until_inflight(server, 0)
     async with KVClient(target, _cfg(transport="data")) as kv:
         assert len((await kv.get(kv_id)).data) == 100_000
+
+
+async def _move_data_plane(server) -> int:
+    """Restart the store's data plane on another port (as a restarted store would be)."""
+    from pdx.serving.kv_server import _data_server
+
+    old = server.service.data_server
+    await asyncio.to_thread(old.stop, 0.5)
+    new = _data_server(server.service, server.service.cfg)
+    new.start()
+    server.service.data_server = new
+    return old.port
+
+
+async def test_after_the_data_port_moves_a_data_client_asks_again(kv_server_factory) -> None:
+    server, target = await kv_server_factory()
+    async with KVClient(target, _cfg(transport="data")) as kv:
+        kv_id = await kv.put(os.urandom(200_000))
+        old_port = await _move_data_plane(server)
+        obj = await kv.get(kv_id)  # the cached port refuses; the retry asks DataPlane again
+        ep = await kv.data_endpoint()
+    assert len(obj.data) == 200_000 and kv.records()[-1].retries == 1
+    assert ep is not None and ep.port == server.service.data_server.port != old_port
+
+
+async def test_auto_uses_grpc_when_the_data_port_does_not_answer(kv_server_factory) -> None:
+    server, target = await kv_server_factory()
+    with socket.socket() as s:  # a port with nothing listening (a firewall would look alike)
+        s.bind(("127.0.0.1", 0))
+        dead = s.getsockname()[1]
+    data = os.urandom(200_000)
+    cfg = _cfg(kv_retry_budget=0, data_target=f"127.0.0.1:{dead}")
+    async with KVClient(target, cfg, audit=None) as kv:
+        kv_id = await kv.put(data)
+        obj = await kv.get(kv_id)
+        assert await kv.data_endpoint() is None  # for a while, then it tries again
+    assert bytes(obj.data) == data and [r.retries for r in kv.records()] == [0, 0]
+    assert [r.get("transport") for r in server.audit.records(kv_id=kv_id)] == [None, None]
+    assert [r["transport"] for r in kv.audit.records(side="client")] == ["grpc", "grpc"]
