@@ -189,7 +189,7 @@ class Conn:
         sock.settimeout(None)
         self.sock = sock
         self.tls = False
-        self.deadline: float | None = None
+        self.who = "anonymous"  # store side: the audited identity of the peer
         self.peer = _peer_name(sock)
         self._poll = select.poll()
         self._poll.register(sock.fileno(), select.POLLIN)
@@ -200,7 +200,6 @@ class Conn:
 
     def set_deadline(self, deadline: float | None) -> None:
         """Bound every later call by ``deadline`` (``time.monotonic()``; None = no bound)."""
-        self.deadline = deadline
         self._token += 1
         if deadline is not None:
             WATCHDOG.watch(deadline, self, self._token)
@@ -330,14 +329,6 @@ class Conn:
                 f"got a {kind.name} frame, expected {'/'.join(k.name for k in expected)}"
             )
         return kind, self.recv_payload(length)
-
-    def skip(self, length: int) -> None:
-        """Read and drop ``length`` bytes."""
-        scratch = memoryview(bytearray(min(length, 1 << 20)))
-        while length:
-            n = min(length, len(scratch))
-            self.recv_into(scratch[:n])
-            length -= n
 
     # --- closing ----------------------------------------------------------------------
 
@@ -647,7 +638,7 @@ class DataServer:
                 conn = tls_handshake(sock, self.ssl_context, server_side=True)
                 from pdx.serving.tls import peer_common_name
 
-                cn = peer_common_name(conn)  # type: ignore[arg-type]
+                cn = peer_common_name(conn)
                 if cn:
                     who = "cn=" + cn
             else:
@@ -670,7 +661,7 @@ class DataServer:
             return None
         if who == "anonymous" and hello.client_id:
             who = "client=" + hello.client_id[:128]
-        conn.who = who  # type: ignore[attr-defined]
+        conn.who = who
         with self._lock:
             if self._stopping:
                 conn.close()
@@ -739,7 +730,7 @@ class DataServer:
 
     def _put(self, conn: Conn, header: pb.PutHeader, timeout_s: float | None) -> bool:
         handoff = Handoff(self.loop)
-        who: str = conn.who  # type: ignore[attr-defined]
+        who = conn.who
         call = self._call(self.service.data_put(header, who, conn.peer, timeout_s, handoff))
         try:
             obj = handoff.wait(call, timeout_s or DEFAULT_REQUEST_TIMEOUT_S)
@@ -804,7 +795,7 @@ class DataServer:
 
     def _get(self, conn: Conn, request: pb.GetRequest, timeout_s: float | None) -> bool:
         handoff = Handoff(self.loop)
-        who: str = conn.who  # type: ignore[attr-defined]
+        who = conn.who
         call = self._call(self.service.data_get(request, who, conn.peer, timeout_s, handoff))
         try:
             info, chunks = handoff.wait(call, timeout_s or DEFAULT_REQUEST_TIMEOUT_S)

@@ -4,7 +4,9 @@
 ephemeral port). Domain errors (:class:`KVError`) become a gRPC status plus the
 ``pdx-kv-error`` trailing metadata in exactly one place, :class:`ErrorMappingInterceptor`.
 Chunk messages travel as raw bytes (see ``kv_wire``): the server parses them without
-copying and streams stored messages back unchanged.
+copying and streams stored messages back unchanged. The same service also serves Put and
+Get on the data plane (``kv_data.DataServer``, announced by the DataPlane call) through
+:meth:`KVService.data_put` and :meth:`KVService.data_get`.
 """
 
 from __future__ import annotations

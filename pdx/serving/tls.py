@@ -14,7 +14,7 @@ import os
 import ssl
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pdx.errors import InputError
 from pdx.serving.contract import TLSConfig
@@ -241,9 +241,9 @@ def client_ssl_context(tls: TLSConfig | None, *, cert_dir: Path | None = None) -
     return ctx
 
 
-def peer_common_name(sock: ssl.SSLSocket) -> str | None:
-    """The common name of a verified peer certificate, if any."""
-    cert = sock.getpeercert() or {}
+def peer_common_name(peer: ssl.SSLSocket | ssl.SSLObject | Any) -> str | None:
+    """The common name of ``peer``'s verified certificate (anything with ``getpeercert``)."""
+    cert = peer.getpeercert() or {}
     for rdn in cert.get("subject", ()):
         for key, value in rdn:  # type: ignore[str-unpack]  # typeshed's loose cert type
             if key == "commonName":
