@@ -238,17 +238,29 @@ class KVService:
             if first is None or is_chunk_message(first):
                 raise KVError(KVErrorCode.KV_INVALID, "a Put stream must start with a header")
             header = pb.PutRequest.FromString(first).header
-            obj = self.store.begin_put(header, op.who)
-            op.kv_id = obj.kv_id
-            op.extra["start_chunk"] = header.start_chunk
-            try:
-                op.bytes = await self._receive(obj, header.start_chunk, requests)
-            except BaseException:
-                self.store.abandon(obj, "upload failed")
-                raise
-            missing = self.store.finish_put(obj)
-            op.extra["missing_chunks"] = missing
-            return pb.PutResponse(info=self.store.info(obj), missing_chunks=missing)
+            return await self._upload(
+                op, header, lambda obj: self._receive(obj, header.start_chunk, requests)
+            )
+
+    async def _upload(
+        self, op: _Op, header: pb.PutHeader, receive: Callable[[StoredObject], Awaitable[int]]
+    ) -> pb.PutResponse:
+        """Start (or rejoin) an upload, let ``receive`` fill it, then complete it if whole.
+
+        ``receive`` returns the payload bytes it took; if it fails, an upload nobody can
+        rejoin is dropped. Shared by the gRPC and the data-plane Put.
+        """
+        obj = self.store.begin_put(header, op.who)
+        op.kv_id = obj.kv_id
+        op.extra["start_chunk"] = header.start_chunk
+        try:
+            op.bytes = await receive(obj)
+        except BaseException:
+            self.store.abandon(obj, "upload failed")
+            raise
+        missing = self.store.finish_put(obj)
+        op.extra["missing_chunks"] = missing
+        return pb.PutResponse(info=self.store.info(obj), missing_chunks=missing)
 
     async def _receive(self, obj: StoredObject, index: int, requests: AsyncIterator[bytes]) -> int:
         received = 0
@@ -308,13 +320,7 @@ class KVService:
 
     async def _stream(self, op: _Op, request: pb.GetRequest) -> AsyncIterator[bytes]:
         obj = self.store.lookup(request.kv_id)
-        end = request.to_chunk or obj.num_chunks
-        if not request.from_chunk <= end <= obj.num_chunks:
-            raise KVError(
-                KVErrorCode.KV_INVALID,
-                f"chunk range {request.from_chunk}..{end} outside 0..{obj.num_chunks}",
-                kv_id=obj.kv_id,
-            )
+        end = _range_end(obj, request)
         op.extra["from_chunk"] = request.from_chunk
         obj.readers += 1
         start = time.perf_counter()
@@ -345,28 +351,23 @@ class KVService:
             self._audit_op("put", who, peer, transport="data") as op,
             self._slot_wait(timeout_s),
         ):
-            obj = self.store.begin_put(header, who)
-            op.kv_id = obj.kv_id
-            op.extra["start_chunk"] = header.start_chunk
-            if obj.buffer is None and obj.missing() == obj.num_chunks:
-                obj.buffer = BUFFERS.get(obj.size_bytes)
-            start = time.perf_counter()
-            try:
+
+            async def receive(obj: StoredObject) -> int:
+                if obj.buffer is None and obj.missing() == obj.num_chunks:
+                    obj.buffer = BUFFERS.get(obj.size_bytes)
+                start = time.perf_counter()
                 got: PutOutcome = await handoff.exchange(obj)
                 if got.chunks:
                     self.store.put_verified(obj, header.start_chunk, got.chunks)
-                op.bytes = got.nbytes
+                op.bytes = got.nbytes  # audited even when the stream failed part-way
                 if got.error is not None:
                     raise got.error
                 if got.trailer_digest is not None:
                     self.store.set_object_digest(obj, got.trailer_digest)
-            except BaseException:
-                self.store.abandon(obj, "upload failed")
-                raise
-            self._count("put", got.nbytes, len(got.chunks), start)
-            missing = self.store.finish_put(obj)
-            op.extra["missing_chunks"] = missing
-            return pb.PutResponse(info=self.store.info(obj), missing_chunks=missing)
+                self._count("put", got.nbytes, len(got.chunks), start)
+                return got.nbytes
+
+            return await self._upload(op, header, receive)
 
     async def data_get(
         self,
@@ -381,13 +382,7 @@ class KVService:
             op.kv_id = request.kv_id
             async with self._slot_wait(timeout_s):
                 obj = self.store.lookup(request.kv_id)
-                end = request.to_chunk or obj.num_chunks
-                if not request.from_chunk <= end <= obj.num_chunks:
-                    raise KVError(
-                        KVErrorCode.KV_INVALID,
-                        f"chunk range {request.from_chunk}..{end} outside 0..{obj.num_chunks}",
-                        kv_id=obj.kv_id,
-                    )
+                end = _range_end(obj, request)
                 op.extra["from_chunk"] = request.from_chunk
                 chunks = [(i, obj.digests[i], obj.data[i]) for i in range(request.from_chunk, end)]
                 if any(c[2] is None for c in chunks):
@@ -467,6 +462,18 @@ class KVService:
                 "DataPlane": _unary(self.data_plane, pb.DataPlaneRequest),
             },
         )
+
+
+def _range_end(obj: StoredObject, request: pb.GetRequest) -> int:
+    """The exclusive end chunk a Get asks for (0 = the last); KV_INVALID outside the object."""
+    end = request.to_chunk or obj.num_chunks
+    if not request.from_chunk <= end <= obj.num_chunks:
+        raise KVError(
+            KVErrorCode.KV_INVALID,
+            f"chunk range {request.from_chunk}..{end} outside 0..{obj.num_chunks}",
+            kv_id=obj.kv_id,
+        )
+    return end
 
 
 def _unary(fn: Callable[..., Any], request_type: Any) -> grpc.RpcMethodHandler:
