@@ -25,7 +25,7 @@ import sys
 import time
 from typing import Any
 
-from pdx.serving.kv_bench import parse_size, run_bench
+from pdx.transfer.bench import parse_size, run_bench
 
 CHUNK_KB = (256, 1024, 4096, 8192)
 GOALS = {False: 0.90, True: 0.60}

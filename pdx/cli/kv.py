@@ -49,8 +49,8 @@ def kv_serve(
 
     from pdx.cli.output import emit
     from pdx.config import build_config, read_yaml
-    from pdx.serving.contract import KVStoreConfig
-    from pdx.serving.kv_server import serve_kv
+    from pdx.transfer.contract import KVStoreConfig
+    from pdx.transfer.server import serve_kv
 
     overrides = {
         "host": host,
@@ -108,7 +108,7 @@ def kv_bench(
 ) -> None:
     """Put N bytes into a store on loopback and Get them back; print goodput (GB = 1e9 B)."""
     from pdx.cli.output import emit
-    from pdx.serving.kv_bench import parse_size, render_bench, run_bench
+    from pdx.transfer.bench import parse_size, render_bench, run_bench
 
     result = run_bench(
         parse_size(total_bytes, "--bytes"),
@@ -133,7 +133,7 @@ def certs_init(
 ) -> None:
     """Create a private CA and one certificate + key per service (for local and test use)."""
     from pdx.cli.output import emit
-    from pdx.serving.tls import init_certs
+    from pdx.tls import init_certs
 
     files = init_certs(directory, names, days=days)
     data = {"dir": str(directory), "files": [p.name for p in files]}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdx.errors import UnsupportedModelError
-from pdx.kv.spec import LayerSpec
+from pdx.kv.layers import LayerSpec
 
 #: model_type values pdx sizes exactly (``gemma3`` multimodal configs use their text model).
 DENSE_ATTENTION = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")

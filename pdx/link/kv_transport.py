@@ -1,7 +1,7 @@
 """The KV chunk sweep over the real gRPC KV path (``probe-link --chunk-transport grpc``).
 
 Each timed chunk is one whole KV object of exactly one chunk, moved by
-:class:`~pdx.serving.kv_client.KVClient` against a running KV store (``pdx kv-serve`` or
+:class:`~pdx.transfer.client.KVClient` against a running KV store (``pdx kv-serve`` or
 a deployed prefill's store). ``get`` (the default, what decode does across the link)
 stores one object per size untimed, then times ``Get`` calls of it: from the call to the
 moment its chunk digest and object digest (XXH3-64) are verified. ``put`` times ``Put``
@@ -63,7 +63,7 @@ class KVSweepSettings:
 
     def tls(self) -> Any:
         """The client's ``TLSConfig`` (mutual TLS), or None for plaintext."""
-        from pdx.serving.contract import TLSConfig
+        from pdx.tls import TLSConfig
 
         if self.tls_dir is None:
             return None
@@ -90,7 +90,7 @@ def kv_sweep_settings(
     if bad:
         raise InputError("--chunk-sizes", bad[0], "64 KiB to 8 MiB per chunk over the KV path")
     if tls_dir is not None:
-        from pdx.serving.tls import cert_files
+        from pdx.tls import cert_files
 
         try:
             cert_files(tls_dir, tls_name)
@@ -125,7 +125,7 @@ class _LoopThread:
 
 
 def _kv_failure(exc: BaseException, what: str) -> MeasurementError:
-    from pdx.serving.contract import KVError
+    from pdx.transfer.contract import KVError
 
     reason = f"{exc.code.value}: {exc.message}" if isinstance(exc, KVError) else str(exc)
     return MeasurementError(f"KV {what} failed ({reason})")
@@ -154,8 +154,8 @@ class KVChunkTransport(ChunkTransport):
         self.runner = _LoopThread()
 
     async def _connect(self, size_bytes: int) -> Any:
-        from pdx.serving.contract import KVClientConfig
-        from pdx.serving.kv_client import KVClient
+        from pdx.transfer.client import KVClient
+        from pdx.transfer.contract import KVClientConfig
 
         # The chunk size is per client, so each swept size gets its own client (and
         # connection); the sweep's unmeasured warm-up chunks absorb the set-up.
@@ -276,8 +276,8 @@ def check_kv_store(settings: KVSweepSettings) -> None:
 
 
 async def _stat_unknown(settings: KVSweepSettings) -> None:
-    from pdx.serving.contract import KVClientConfig, KVError, KVErrorCode, new_kv_id
-    from pdx.serving.kv_client import KVClient
+    from pdx.transfer.client import KVClient
+    from pdx.transfer.contract import KVClientConfig, KVError, KVErrorCode, new_kv_id
 
     timeout_ms = max(1, int(settings.connect_timeout_s * 1000))
     cfg = KVClientConfig(kv_transfer_timeout_ms=timeout_ms, kv_retry_budget=0)

@@ -26,10 +26,14 @@ from pdx.errors import PdxError
 from pdx.serving.backends.base import KVState, ModelBackend
 from pdx.serving.backends.kvwire import decode_kv
 from pdx.serving.backends.sampling import pick_token
-from pdx.serving.contract import KVError
 from pdx.serving.deploy_config import DecodeConfig, DeployConfig, NodeOptions
+from pdx.serving.kv_settings import kv_client_config
+from pdx.serving.node import run_child
 from pdx.serving.prefill import check_prompt
 from pdx.serving.rpc import create_server, set_serving, start_health_server
+from pdx.tls import tls_for
+from pdx.transfer.client import KVClient
+from pdx.transfer.contract import KVError
 
 log = logging.getLogger("pdx.decode")
 
@@ -360,15 +364,11 @@ class ClientSource:
     """Reads KV with the transfer client (one client per store endpoint, opened on first use)."""
 
     def __init__(self, cfg: DeployConfig, cert_dir: Path | None) -> None:
-        from pdx.serving.prefill import kv_client_config, tls_for
-
         self._client_cfg = kv_client_config(cfg, "decode")
         self._tls = tls_for(cert_dir, "decode")
         self._clients: dict[str, Any] = {}
 
     def _client(self, endpoint: str) -> Any:
-        from pdx.serving.kv_client import KVClient
-
         if endpoint not in self._clients:
             self._clients[endpoint] = KVClient(endpoint, self._client_cfg, tls=self._tls)
         return self._clients[endpoint]
@@ -420,7 +420,6 @@ class DecodeNode:
     async def start(cls, cfg: DeployConfig, opts: NodeOptions) -> DecodeNode:
         """Build the model and start the service; the port is bound when this returns."""
         from pdx.serving.backends import create_backend
-        from pdx.serving.prefill import tls_for
 
         node = cls()
         dc, host = cfg.decode, opts.host or cfg.decode.host
@@ -464,8 +463,6 @@ class DecodeNode:
 
 def main() -> None:
     """Child-process entry: ``python -m pdx.serving.decode CONFIG INDEX [--cert-dir D] ...``."""
-    from pdx.serving.supervisor import run_child
-
     run_child(DecodeNode.start)
 
 

@@ -135,7 +135,7 @@ def _certificates(cfg: DeployConfig, identities: dict[str, str]) -> dict[str, di
             out[name] = {"cert": (d / f"{role}.pem").read_bytes(),
                          "key": (d / f"{role}.key").read_bytes()}  # fmt: skip
         return out
-    from pdx.serving.tls import init_certs
+    from pdx.tls import init_certs
 
     with tempfile.TemporaryDirectory(prefix="pdx-k8s-certs-") as tmp:
         init_certs(tmp, list(identities), days=365)

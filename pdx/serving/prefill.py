@@ -16,19 +16,22 @@ import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, Protocol
 
 import grpc
-from pydantic import BaseModel
 
 from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.serving.backends.base import KVState, ModelBackend
 from pdx.serving.backends.kvwire import EncodedKV, encode_kv
 from pdx.serving.backends.sampling import pick_token
-from pdx.serving.contract import KVClientConfig, KVError, KVStoreConfig, TLSConfig
 from pdx.serving.deploy_config import DeployConfig, KVConfig, NodeOptions, PrefillConfig
+from pdx.serving.kv_settings import dialable, kv_client_config, kv_store_config
+from pdx.serving.node import run_child
 from pdx.serving.rpc import create_server, set_serving, start_health_server
+from pdx.tls import tls_for
+from pdx.transfer.client import KVClient
+from pdx.transfer.contract import KVError, KVLayout
+from pdx.transfer.server import create_kv_server
 
 SERVICE = "pdx.serving.v1.Prefill"
 
@@ -235,8 +238,6 @@ class StoreSink:
 
     async def put(self, encoded: EncodedKV, model_version: str, ttl_s: int) -> tuple[str, int]:
         """Store ``encoded``; return (kv_id, stored bytes)."""
-        from pdx.serving.contract import KVLayout
-
         layout = KVLayout(**encoded.layout)
         kv_id = await self.client.put(
             encoded.payload, layout, model_version=model_version, ttl_s=ttl_s
@@ -261,16 +262,14 @@ class PrefillNode:
     async def start(cls, cfg: DeployConfig, opts: NodeOptions) -> PrefillNode:
         """Build the model, start the store and the service; ports are bound when this returns."""
         from pdx.serving.backends import create_backend
-        from pdx.serving.kv_client import KVClient
-        from pdx.serving.kv_server import create_kv_server
 
         node = cls()
         pc, kc, certs = cfg.prefill, cfg.kv, opts.cert_dir
         host = opts.host or pc.host
         backend = await asyncio.to_thread(create_backend, cfg.model)
         node.kv_server, node.kv_port = await create_kv_server(kv_store_config(cfg, opts))
-        local = f"{_dialable(host)}:{node.kv_port}"
-        advertised = f"{opts.advertise_host or _dialable(host)}:{node.kv_port}"
+        local = f"{dialable(host)}:{node.kv_port}"
+        advertised = f"{opts.advertise_host or dialable(host)}:{node.kv_port}"
         tls = tls_for(certs, "prefill")
         node.client = KVClient(local, kv_client_config(cfg, "prefill"), tls=tls)
         node.servicer = PrefillServicer(backend, pc, kc, StoreSink(node.client, advertised))
@@ -305,57 +304,8 @@ class PrefillNode:
             self.servicer.close()
 
 
-def tls_for(cert_dir: Path | None, name: str) -> TLSConfig | None:
-    """This service's mutual-TLS identity, or None when TLS is off."""
-    return TLSConfig(cert_dir=cert_dir, name=name) if cert_dir is not None else None
-
-
-def kv_store_config(cfg: DeployConfig, opts: NodeOptions) -> KVStoreConfig:
-    """The store a prefill instance holds, from the deploy config."""
-    kv, pc = cfg.kv, cfg.prefill
-    return _known(
-        KVStoreConfig,
-        host=opts.host or pc.host,
-        port=opts.pick_port(pc.kv_port, opts.kv_port),
-        budget_bytes=kv.store_budget_bytes,
-        kv_ttl_seconds=kv.kv_ttl_seconds,
-        max_inflight_kv=kv.max_inflight_kv,
-        tls=tls_for(opts.cert_dir, "kv-store"),
-    )
-
-
-def _dialable(host: str) -> str:
-    # A wildcard bind address is not something a peer can dial.
-    return "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-
-
-def kv_client_config(cfg: DeployConfig, client_id: str) -> KVClientConfig:
-    """Transfer parameters (deadline, retry budget, chunk size) from the deploy config."""
-    kv = cfg.kv
-    return _known(
-        KVClientConfig,
-        kv_transfer_timeout_ms=int(kv.kv_transfer_timeout_ms),
-        kv_retry_budget=kv.kv_retry_budget,
-        chunk_size_kb=kv.chunk_size_kb,
-        kv_ttl_seconds=kv.kv_ttl_seconds,
-        client_id=client_id,
-        # The fault proxy sits on the store's gRPC port: every KV byte must cross it.
-        transport="grpc" if kv.via_proxy else kv.transport,
-    )
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def _known(model: type[M], **values: Any) -> M:
-    # Pass only the fields the transfer layer's config defines (it owns that schema).
-    return model.model_validate({k: v for k, v in values.items() if k in model.model_fields})
-
-
 def main() -> None:
     """Child-process entry: ``python -m pdx.serving.prefill CONFIG INDEX [--cert-dir D] ...``."""
-    from pdx.serving.supervisor import run_child
-
     run_child(PrefillNode.start)
 
 

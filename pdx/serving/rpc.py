@@ -2,7 +2,7 @@
 
 ``create_server`` binds (port 0 = ephemeral), adds the standard health service and returns
 (server, port, health); ``channel`` opens a client channel. Mutual TLS uses the material of
-``pdx certs init`` through :mod:`pdx.serving.tls`, as the KV store does.
+``pdx certs init`` through :mod:`pdx.tls`, as the KV store does.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from pdx.serving.contract import TLSConfig
+from pdx.tls import TLSConfig
 
 # Token streams are small, but keep the same generous limits as the KV channels.
 CHANNEL_OPTIONS = [
@@ -25,7 +25,7 @@ def channel(target: str, tls: TLSConfig | None) -> grpc.aio.Channel:
     """A client channel to ``target`` (host:port), mutual TLS when ``tls`` is given."""
     if tls is None:
         return grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS)
-    from pdx.serving.tls import channel_credentials
+    from pdx.tls import channel_credentials
 
     return grpc.aio.secure_channel(target, channel_credentials(tls), options=CHANNEL_OPTIONS)
 
@@ -41,7 +41,7 @@ def create_server(
     if tls is None:
         bound = server.add_insecure_port(address)
     else:
-        from pdx.serving.tls import server_credentials
+        from pdx.tls import server_credentials
 
         bound = server.add_secure_port(address, server_credentials(tls))
     return server, bound, health_servicer

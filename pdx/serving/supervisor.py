@@ -19,79 +19,21 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from pdx.errors import PdxError
-from pdx.serving.deploy_config import DeployConfig, NodeOptions, load_deploy_config
+from pdx.serving.deploy_config import DeployConfig
+from pdx.serving.node import READY_PREFIX
 
-READY_PREFIX = "PDX-READY "
 CERT_NAMES = ("kv-store", "prefill", "decode", "gateway")
 log = logging.getLogger("pdx.deploy")
 
 
 class DeployError(PdxError):
     """The deployment could not start or lost a child past its restart budget."""
-
-
-class Node(Protocol):
-    """What a child process runs (prefill or decode)."""
-
-    def announce(self) -> dict[str, Any]:
-        """Ports and labels, sent to the supervisor once ready."""
-        ...
-
-    async def stop(self, grace_s: float = 2.0) -> None:
-        """Graceful shutdown."""
-        ...
-
-
-StartFn = Callable[..., Awaitable[Node]]
-
-
-def child_arguments(argv: list[str]) -> tuple[str, NodeOptions]:
-    """Parse a child's command line: ``CONFIG INDEX [--cert-dir D] [--port P] ...``."""
-    import argparse
-
-    p = argparse.ArgumentParser(prog="pdx-node")
-    p.add_argument("config")
-    p.add_argument("index", type=int)
-    p.add_argument("--cert-dir", type=Path)
-    p.add_argument("--host")
-    p.add_argument("--port", type=int)
-    p.add_argument("--kv-port", type=int)
-    p.add_argument("--advertise-host")
-    p.add_argument("--health-port", type=int)
-    a = p.parse_args(argv)
-    opts = NodeOptions(a.index, a.cert_dir, a.host, a.port, a.kv_port, a.advertise_host,
-                       a.health_port)  # fmt: skip
-    return a.config, opts
-
-
-def run_child(start: StartFn) -> None:
-    """Child main (see :func:`child_arguments`); SIGTERM or SIGINT stops it gracefully."""
-    config, opts = child_arguments(sys.argv[1:])
-    cfg = load_deploy_config(config)  # YAML or JSON (a ConfigMap mounts the YAML)
-    asyncio.run(_child(start, cfg, opts))
-    # Everything was stopped explicitly above; skip interpreter teardown, where the gRPC
-    # core can spend seconds (measured ~5 s) with nothing left to do.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
-async def _child(start: StartFn, cfg: DeployConfig, opts: NodeOptions) -> None:
-    node = await start(cfg, opts)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    sys.stdout.write(READY_PREFIX + json.dumps(node.announce()) + "\n")
-    sys.stdout.flush()
-    await stop.wait()
-    await node.stop(cfg.supervisor.shutdown_grace_s)
 
 
 @dataclass
@@ -175,7 +117,7 @@ class Deployment:
             return None
         if tls.dir is not None:
             return tls.dir
-        from pdx.serving.tls import init_certs
+        from pdx.tls import init_certs
 
         cert_dir = self.work_dir / "certs"
         if not (cert_dir / "ca.pem").exists():
@@ -247,7 +189,7 @@ class Deployment:
     async def _start_gateway(self) -> None:
         from pdx.serving.backends.tokenizer import ByteTokenizer
         from pdx.serving.gateway import build_gateway
-        from pdx.serving.prefill import tls_for
+        from pdx.tls import tls_for
 
         cfg = self.cfg
         prefills = [(c.name, c.address(cfg.prefill.host)) for c in self.children

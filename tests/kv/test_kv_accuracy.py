@@ -16,7 +16,7 @@ from pdx.kv.codec_eval import (
     roundtrip_cache,
 )
 from pdx.kv.codecs import KVCodec, Role
-from pdx.kv.codecs.builtin import RawCodec
+from pdx.kv.codecs.raw import RawCodec
 from pdx.kv.empirical import build_model, prefill, tiny_config
 from pdx.kv.source import load_preset
 

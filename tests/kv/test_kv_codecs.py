@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from pdx.errors import InputError
 from pdx.kv.codecs import codec_names, get_codec
-from pdx.kv.codecs.base import codec_patterns, decode_any
+from pdx.kv.codecs.registry import codec_patterns, decode_any
 
 STABLE_NAMES = [
     "raw",

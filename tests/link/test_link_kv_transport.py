@@ -29,9 +29,9 @@ from pdx.link.kv_transport import (
     kv_sweep_settings,
 )
 from pdx.link.server import ProbeServer
-from pdx.serving.contract import KVStoreConfig, TLSConfig
-from pdx.serving.kv_server import KVServer, create_kv_server
-from pdx.serving.tls import init_certs
+from pdx.tls import TLSConfig, init_certs
+from pdx.transfer.contract import KVStoreConfig
+from pdx.transfer.server import KVServer, create_kv_server
 from pdx.units import KIB, MIB
 
 SIZES = [64 * KIB, 256 * KIB, 1 * MIB]

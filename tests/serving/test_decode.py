@@ -12,10 +12,10 @@ import pytest
 from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.serving.backends import create_backend
 from pdx.serving.backends.sampling import pick_token
-from pdx.serving.contract import KVStoreConfig
 from pdx.serving.decode import DecodeNode
 from pdx.serving.deploy_config import NodeOptions, load_deploy_config
-from pdx.serving.kv_server import create_kv_server
+from pdx.transfer.contract import KVStoreConfig
+from pdx.transfer.server import create_kv_server
 
 
 async def start(*sets: str) -> DecodeNode:
@@ -138,8 +138,8 @@ async def test_cancelled_stream_leaves_the_batch(node: DecodeNode) -> None:
 
 async def test_kv_from_other_weights_is_never_used(node: DecodeNode) -> None:
     from pdx.serving.backends.kvwire import encode_kv
-    from pdx.serving.contract import KVClientConfig, KVLayout
-    from pdx.serving.kv_client import KVClient
+    from pdx.transfer.client import KVClient
+    from pdx.transfer.contract import KVClientConfig, KVLayout
 
     prompt = [9, 8, 7, 6, 5]
     other = create_backend(load_deploy_config(dotted=["model.seed=1"]).model)
@@ -194,9 +194,9 @@ async def test_fetch_waits_while_resident_kv_is_over_budget() -> None:
 
 
 async def test_fetched_object_is_released_once_rebuilt() -> None:
-    from pdx.serving.contract import KVClientConfig, KVError
-    from pdx.serving.kv_client import KVClient
     from pdx.serving.prefill import PrefillNode
+    from pdx.transfer.client import KVClient
+    from pdx.transfer.contract import KVClientConfig, KVError
 
     cfg = load_deploy_config(dotted=["kv.kv_transfer_timeout_ms=5000"])
     prefill = await PrefillNode.start(cfg, NodeOptions())

@@ -13,11 +13,11 @@ import torch
 from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.serving.backends import create_backend
 from pdx.serving.backends.kvwire import EncodedKV, decode_kv
-from pdx.serving.contract import KVClientConfig
 from pdx.serving.deploy_config import NodeOptions, load_deploy_config
-from pdx.serving.kv_client import KVClient
 from pdx.serving.prefill import PrefillNode, StoreSink
-from pdx.serving.tls import init_certs
+from pdx.tls import init_certs
+from pdx.transfer.client import KVClient
+from pdx.transfer.contract import KVClientConfig
 
 PROMPT = list(range(40, 72))
 
@@ -95,8 +95,8 @@ async def test_client_without_certificate_is_rejected(tmp_path: Path) -> None:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await serving_pb2_grpc.PrefillStub(ch).Prefill(request(PROMPT), timeout=10)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        from pdx.serving.prefill import tls_for
         from pdx.serving.rpc import channel
+        from pdx.tls import tls_for
 
         async with channel(f"127.0.0.1:{n.port}", tls_for(tmp_path, "gateway")) as ch:
             reply = await serving_pb2_grpc.PrefillStub(ch).Prefill(request(PROMPT), timeout=30)

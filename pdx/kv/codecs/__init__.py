@@ -5,9 +5,8 @@ parameters travel in a header) and back. Lossless codecs round-trip exactly; los
 ones stay within the error bound they document.
 """
 
-from pdx.kv.codecs.base import (
-    KVCodec,
-    Role,
+from pdx.kv.codecs.base import KVCodec, Role
+from pdx.kv.codecs.registry import (
     codec_names,
     get_codec,
     is_codec_name,

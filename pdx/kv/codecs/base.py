@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import json
-import re
 import struct
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any, ClassVar, Literal
 
@@ -106,66 +105,3 @@ class KVCodec(ABC):
     @abstractmethod
     def decode(self, data: bytes | memoryview) -> torch.Tensor:
         """Framed bytes → tensor with the original shape and dtype."""
-
-
-_REGISTRY: dict[str, type[KVCodec]] = {}
-_FAMILIES: list[tuple[re.Pattern[str], str, Callable[[re.Match[str]], KVCodec]]] = []
-
-
-def register_codec(cls: type[KVCodec]) -> type[KVCodec]:
-    """Class decorator: make a codec available by its ``name``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def register_codec_family(
-    pattern: str, shown_as: str, factory: Callable[[re.Match[str]], KVCodec]
-) -> None:
-    """Make parametrised names (e.g. ``int4-g<N>``) available: ``factory(match)`` builds one."""
-    _FAMILIES.append((re.compile(pattern), shown_as, factory))
-
-
-def _load_builtin() -> None:
-    # Importing the module registers the built-in codecs (kept out of import time).
-    import pdx.kv.codecs.builtin  # noqa: F401
-
-
-def codec_names() -> list[str]:
-    """Names of every registered codec, in registration order."""
-    _load_builtin()
-    return list(_REGISTRY)
-
-
-def codec_patterns() -> list[str]:
-    """Parametrised name forms accepted besides :func:`codec_names` (e.g. ``int4-g<N>``)."""
-    _load_builtin()
-    return [shown for _, shown, _ in _FAMILIES]
-
-
-def valid_codec_names() -> str:
-    """Every accepted name and name form, for error messages."""
-    return ", ".join([*codec_names(), *codec_patterns()])
-
-
-def is_codec_name(name: str) -> bool:
-    """Whether ``name`` is a registered codec or matches a parametrised form (``int4-g16``)."""
-    _load_builtin()
-    return name in _REGISTRY or any(p.fullmatch(name) for p, _, _ in _FAMILIES)
-
-
-def get_codec(name: str) -> KVCodec:
-    """A codec instance by name; unknown names are an InputError listing the valid ones."""
-    _load_builtin()
-    if name in _REGISTRY:
-        return _REGISTRY[name]()
-    for pattern, _, factory in _FAMILIES:
-        match = pattern.fullmatch(name)
-        if match:
-            return factory(match)
-    raise InputError("codec", name, f"one of {valid_codec_names()}")
-
-
-def decode_any(data: bytes | memoryview) -> torch.Tensor:
-    """Decode framed bytes with whichever codec its header names."""
-    meta, _ = unpack(data)
-    return get_codec(str(meta.get("codec"))).decode(data)

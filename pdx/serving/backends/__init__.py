@@ -5,14 +5,8 @@ built from a preset config); ``synthetic`` has no weights and produces KV of the
 layout and size a named model would, taking its compute time from roofline formulas.
 """
 
-from pdx.serving.backends.base import (
-    BackendConfig,
-    KVState,
-    ModelBackend,
-    backend_names,
-    create_backend,
-    register_backend,
-)
+from pdx.serving.backends.base import BackendConfig, KVState, ModelBackend
+from pdx.serving.backends.registry import backend_names, create_backend, register_backend
 
 __all__ = [
     "BackendConfig",

@@ -8,8 +8,6 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdx.errors import InputError
-
 if TYPE_CHECKING:
     import torch
 
@@ -106,34 +104,3 @@ class ModelBackend(ABC):
             "synthetic": self.synthetic,
             "max_context_tokens": self.max_context_tokens,
         }
-
-
-_REGISTRY: dict[str, type[ModelBackend]] = {}
-
-
-def register_backend(cls: type[ModelBackend]) -> type[ModelBackend]:
-    """Class decorator: make a backend available by its ``name``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
-def _load_builtin() -> None:
-    # Importing the modules registers the built-in backends (kept out of import time).
-    import pdx.serving.backends.synthetic
-    import pdx.serving.backends.transformers_backend  # noqa: F401
-
-
-def backend_names() -> list[str]:
-    """Names of every registered backend."""
-    _load_builtin()
-    return list(_REGISTRY)
-
-
-def create_backend(cfg: BackendConfig) -> ModelBackend:
-    """Build the backend named in ``cfg``; an unknown name is an InputError."""
-    _load_builtin()
-    try:
-        cls = _REGISTRY[cfg.backend]
-    except KeyError:
-        raise InputError("model.backend", cfg.backend, f"one of {', '.join(_REGISTRY)}") from None
-    return cls(cfg)

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from pdx.errors import InputError
-from pdx.serving.backends.base import BackendConfig, KVState, ModelBackend, register_backend
+from pdx.serving.backends.base import BackendConfig, KVState, ModelBackend
 from pdx.serving.backends.tokenizer import ByteTokenizer, Tokenizer
 
 _VOCAB = 260
@@ -93,7 +93,6 @@ def synthetic_spec(preset: str) -> SyntheticSpec:
     return spec
 
 
-@register_backend
 class SyntheticBackend(ModelBackend):
     """KV tensors of the imitated model's exact bytes; compute time by roofline sleep."""
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pdx.errors import InputError
-from pdx.serving.backends.base import BackendConfig, KVState, ModelBackend, register_backend
+from pdx.serving.backends.base import BackendConfig, KVState, ModelBackend
 from pdx.serving.backends.presets import TINY_PRESETS, tiny_preset_config
 from pdx.serving.backends.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -39,7 +39,6 @@ def _state_dict_digest(model: torch.nn.Module) -> str:
     return h.hexdigest()[:12]
 
 
-@register_backend
 class TransformersBackend(ModelBackend):
     """Real forward passes through ``AutoModelForCausalLM`` with a ``DynamicCache``."""
 

@@ -1,12 +1,11 @@
-"""The KV store as a grpc.aio service: Put/Get/Release/Renew/Stat, health, mTLS, audit.
+"""The KV store's RPC handlers: Put/Get/Release/Renew/Stat/DataPlane over one store.
 
-``server, port = await create_kv_server(cfg)`` returns a started server (port 0 binds an
-ephemeral port). Domain errors (:class:`KVError`) become a gRPC status plus the
-``pdx-kv-error`` trailing metadata in exactly one place, :class:`ErrorMappingInterceptor`.
-Chunk messages travel as raw bytes (see ``kv_wire``): the server parses them without
-copying and streams stored messages back unchanged. The same service also serves Put and
-Get on the data plane (``kv_data.DataServer``, announced by the DataPlane call) through
-:meth:`KVService.data_put` and :meth:`KVService.data_get`.
+Chunk messages travel as raw bytes (see :mod:`pdx.transfer.wire`): the service parses them
+without copying and streams stored messages back unchanged. The same service also serves
+Put and Get on the data plane (:class:`pdx.transfer.dataplane.server.DataServer`, announced
+by the DataPlane call) through :meth:`KVService.data_put` and :meth:`KVService.data_get`.
+Errors are mapped to gRPC in :mod:`pdx.transfer.rpc`; the server lifecycle is in
+:mod:`pdx.transfer.server`.
 """
 
 from __future__ import annotations
@@ -21,110 +20,22 @@ from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdx._proto import kv_transfer_pb2 as pb
-from pdx.serving.audit import AuditLog, digest_hex
-from pdx.serving.contract import (
+from pdx.transfer.audit import digest_hex
+from pdx.transfer.contract import (
     CLIENT_ID_METADATA_KEY,
-    ERROR_METADATA_KEY,
-    GRPC_STATUS,
-    RESUME_METADATA_KEY,
-    Clock,
     KVError,
     KVErrorCode,
     KVStoreConfig,
 )
-from pdx.serving.kv_data import BUFFERS, DataServer, GetOutcome, Handoff, PutOutcome
-from pdx.serving.kv_wire import is_chunk_message, parse_chunk
-from pdx.serving.metrics import KVMetrics
-from pdx.serving.store import KVStore, StoredObject
+from pdx.transfer.dataplane.framing import BUFFERS
+from pdx.transfer.dataplane.server import DataServer, GetOutcome, Handoff, PutOutcome
+from pdx.transfer.rpc import SERVICE_NAME
+from pdx.transfer.store import KVStore, StoredObject
+from pdx.transfer.wire import is_chunk_message, parse_chunk
 
 log = logging.getLogger(__name__)
-
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["KVStore"].full_name
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
-
-# Large HTTP/2 frames and write buffers: fewer syscalls and frame headers per chunk.
-CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.http2.max_frame_size", 16 * 1024 * 1024 - 1),
-    ("grpc.http2.write_buffer_size", 8 * 1024 * 1024),
-]
-
-
-def _abort_args(exc: KVError) -> tuple[grpc.StatusCode, str, tuple[tuple[str, str], ...]]:
-    status = getattr(grpc.StatusCode, GRPC_STATUS[exc.code])
-    meta: tuple[tuple[str, str], ...] = ((ERROR_METADATA_KEY, exc.code.value),)
-    if exc.resume_chunk is not None:
-        meta += ((RESUME_METADATA_KEY, str(exc.resume_chunk)),)
-    return status, str(exc), meta
-
-
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException) -> None:
-    if not isinstance(exc, KVError):
-        log.exception("internal error in KV service", exc_info=exc)
-        exc = KVError(KVErrorCode.KV_INTERNAL, f"{type(exc).__name__}: {exc}")
-    status, details, meta = _abort_args(exc)
-    await context.abort(status, details, trailing_metadata=meta)
-
-
-class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """The one place where domain errors become gRPC status + ``pdx-kv-error`` metadata."""
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(handler_call_details)
-        method = getattr(handler_call_details, "method", "")
-        if handler is None or not method.startswith(f"/{SERVICE_NAME}/"):
-            return handler
-        kw = {
-            "request_deserializer": handler.request_deserializer,
-            "response_serializer": handler.response_serializer,
-        }
-        if handler.unary_unary:
-            return grpc.unary_unary_rpc_method_handler(_wrap_call(handler.unary_unary), **kw)
-        if handler.stream_unary:
-            return grpc.stream_unary_rpc_method_handler(_wrap_call(handler.stream_unary), **kw)
-        if handler.unary_stream:
-            return grpc.unary_stream_rpc_method_handler(_wrap_stream(handler.unary_stream), **kw)
-        return handler
-
-
-def _passthrough(exc: BaseException) -> bool:
-    """gRPC's own control flow (abort, cancellation, server stopping) is not ours to map."""
-    return isinstance(exc, asyncio.CancelledError | grpc.aio.AbortError) or type(
-        exc
-    ).__module__.startswith("grpc")
-
-
-def _wrap_call(fn: Callable[..., Any]) -> Callable[..., Any]:
-    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
-            return await fn(request, context)
-        except (KVError, Exception) as exc:
-            if _passthrough(exc):
-                raise
-            await _abort(context, exc)
-
-    return call
-
-
-def _wrap_stream(fn: Callable[..., AsyncIterator[Any]]) -> Callable[..., AsyncIterator[Any]]:
-    async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-        try:
-            async for item in fn(request, context):
-                yield item
-        except (KVError, Exception) as exc:
-            if _passthrough(exc):
-                raise
-            await _abort(context, exc)
-
-    return stream
 
 
 def peer_identity(context: grpc.aio.ServicerContext) -> str:
@@ -336,7 +247,7 @@ class KVService:
             obj.readers -= 1
         self._count("get", op.bytes, end - request.from_chunk, start)
 
-    # --- data plane (pdx.serving.kv_data): the same rules, bytes moved by a thread ---------
+    # --- data plane (pdx.transfer.dataplane): the same rules, bytes moved by a thread ---------
 
     async def data_put(
         self,
@@ -482,140 +393,3 @@ def _unary(fn: Callable[..., Any], request_type: Any) -> grpc.RpcMethodHandler:
         request_deserializer=request_type.FromString,
         response_serializer=lambda m: m.SerializeToString(),
     )
-
-
-class KVServer:
-    """A started store server: the gRPC server, its store, health and sweeper."""
-
-    def __init__(
-        self, grpc_server: grpc.aio.Server, service: KVService, health_servicer: Any
-    ) -> None:
-        self.grpc_server = grpc_server
-        self.service = service
-        self.store = service.store
-        self.audit = service.audit
-        self.metrics = service.metrics
-        self.health = health_servicer
-        self._sweeper: asyncio.Task[None] | None = None
-
-    async def _sweep_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self.service.cfg.sweep_interval_s)
-            self.store.sweep()
-
-    async def stop(self, grace_s: float | None = 1.0) -> None:
-        """Graceful shutdown: health NOT_SERVING, then ``stop(grace)``; sweeper stopped."""
-        await self.health.enter_graceful_shutdown()
-        if self.service.data_server is not None:
-            await asyncio.to_thread(self.service.data_server.stop, grace_s or 0.5)
-        await self.grpc_server.stop(grace_s)
-        if self._sweeper is not None:
-            self._sweeper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sweeper
-        self.audit.close()
-
-    async def wait_for_termination(self) -> None:
-        """Block until the server stops."""
-        await self.grpc_server.wait_for_termination()
-
-
-async def create_kv_server(
-    cfg: KVStoreConfig,
-    *,
-    clock: Clock | None = None,
-    audit: AuditLog | None = None,
-    metrics: KVMetrics | None = None,
-) -> tuple[KVServer, int]:
-    """Build, bind (port 0 = ephemeral) and start a store server; return it and its port."""
-    audit = audit or AuditLog(cfg.audit_path)
-    store = KVStore(cfg, clock=clock, audit=audit, metrics=metrics)
-    service = KVService(store, cfg)
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
-    server.add_generic_rpc_handlers((service.handler(),))
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    address = f"{cfg.host}:{cfg.port}"
-    if cfg.tls is not None:
-        from pdx.serving.tls import server_credentials
-
-        port = server.add_secure_port(address, server_credentials(cfg.tls))
-    else:
-        port = server.add_insecure_port(address)
-    await server.start()
-    if cfg.data_plane:
-        service.data_server = _data_server(service, cfg)
-        service.data_server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    kv_server = KVServer(server, service, health_servicer)
-    kv_server._sweeper = asyncio.create_task(kv_server._sweep_forever())
-    return kv_server, port
-
-
-def _data_server(service: KVService, cfg: KVStoreConfig) -> DataServer:
-    ssl_context = None
-    if cfg.tls is not None:
-        from pdx.serving.tls import server_ssl_context
-
-        ssl_context = server_ssl_context(cfg.tls)
-    return DataServer(
-        service,
-        asyncio.get_running_loop(),
-        cfg.host,
-        cfg.data_port,
-        ssl_context=ssl_context,
-        max_frame_bytes=cfg.chunk_size_kb_max * 1024,
-    )
-
-
-def tune_malloc() -> bool:
-    """Keep glibc from returning (and re-faulting) MiB-sized buffers on every message.
-
-    Chunk messages are 0.25-8 MiB; by default glibc serves each with mmap and unmaps it
-    on free, so every chunk pays page faults. Raising the mmap and trim thresholds
-    keeps them on the heap. Process-wide: call it only in a dedicated process.
-    Returns False where it does not apply (not glibc).
-    """
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        libc = ctypes.CDLL(name)
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
-        return False
-    m_trim_threshold, m_mmap_threshold = -1, -3
-    ok = mallopt(m_mmap_threshold, 32 * 1024 * 1024) and mallopt(m_trim_threshold, 1 << 30)
-    return bool(ok)
-
-
-async def serve_kv(
-    cfg: KVStoreConfig,
-    on_ready: Callable[[int, int | None], None],
-    *,
-    metrics_port: int | None = None,
-    grace_s: float = 5.0,
-) -> None:
-    """Run a store until SIGINT/SIGTERM, then shut down gracefully (``kv-serve``)."""
-    import signal
-
-    tune_malloc()  # a dedicated store process: keep chunk buffers off mmap/munmap
-    server, port = await create_kv_server(cfg)
-    if metrics_port is not None:
-        from prometheus_client import start_http_server
-
-        start_http_server(metrics_port, addr=cfg.host, registry=server.metrics.registry)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        ds = server.service.data_server
-        on_ready(port, ds.port if ds is not None else None)
-        await stop.wait()
-    finally:
-        await server.stop(grace_s)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdx.errors import PdxError
+from pdx.tls import TLSConfig
 from pdx.units import KIB
 
 if TYPE_CHECKING:
@@ -238,15 +239,6 @@ class ManualClock:
 
 
 # --- configs ---------------------------------------------------------------------------
-
-
-class TLSConfig(BaseModel):
-    """Mutual TLS: a directory made by ``pdx certs init`` and this service's name in it."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    cert_dir: Path
-    name: str = Field(min_length=1)
 
 
 class KVStoreConfig(BaseModel):

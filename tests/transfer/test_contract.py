@@ -14,9 +14,8 @@ import yaml
 from pdx._proto import kv_transfer_pb2 as pb
 from pdx.config import build_config
 from pdx.errors import ConfigError
-from pdx.serving import contract as c
-from pdx.serving.kv_client import _FROM_STATUS
-from pdx.serving.kv_server import SERVICE_NAME
+from pdx.transfer import contract as c
+from pdx.transfer.rpc import _FROM_STATUS, SERVICE_NAME
 
 ROOT = Path(__file__).resolve().parents[2]
 CONTRACT = yaml.safe_load((ROOT / "contracts" / "kv_contract.yaml").read_text())
@@ -115,7 +114,7 @@ def test_generated_code_is_up_to_date(tmp_path: Path) -> None:
 
 
 def test_data_plane_rules_are_what_the_code_does() -> None:
-    from pdx.serving import kv_data
+    from pdx.transfer.dataplane import framing as kv_data
 
     dp = CONTRACT["data_plane"]
     assert dp["frame_header"]["bytes"] == kv_data.FRAME.size
@@ -134,7 +133,7 @@ def test_data_plane_rules_are_what_the_code_does() -> None:
 def test_data_plane_tls_is_13_only_with_client_certificates(tmp_path: Path) -> None:
     import ssl
 
-    from pdx.serving.tls import init_certs, server_ssl_context
+    from pdx.tls import init_certs, server_ssl_context
 
     init_certs(tmp_path)
     ctx = server_ssl_context(c.TLSConfig(cert_dir=tmp_path, name="kv-store"))

@@ -1,4 +1,4 @@
-"""Certificates and mutual-TLS credentials for the KV services.
+"""Certificates and mutual-TLS credentials: the one TLS module every pdx server and client uses.
 
 ``init_certs(dir)`` writes a private CA and one key + certificate per service
 (``ca.pem``, ``<name>.pem``, ``<name>.key``), for local and test use, with
@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from pdx.errors import InputError
-from pdx.serving.contract import TLSConfig
 
 if TYPE_CHECKING:
     import grpc
@@ -26,6 +27,20 @@ if TYPE_CHECKING:
 
 DEFAULT_NAMES = ("kv-store", "prefill", "decode")
 CA_NAME = "ca"
+
+
+class TLSConfig(BaseModel):
+    """Mutual TLS: a directory made by ``pdx certs init`` and this service's name in it."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    cert_dir: Path
+    name: str = Field(min_length=1)
+
+
+def tls_for(cert_dir: Path | None, name: str) -> TLSConfig | None:
+    """Service ``name``'s mutual-TLS identity in ``cert_dir``, or None when TLS is off."""
+    return TLSConfig(cert_dir=cert_dir, name=name) if cert_dir is not None else None
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,9 @@
 together); retryable errors are retried with jittered exponential backoff under the
 per-request and global budgets; a corrupt chunk is re-fetched from that chunk, not
 from zero. ``AioRpcError`` becomes :class:`KVError` in one function,
-:func:`map_rpc_error`. Each transfer leaves a :class:`TransferRecord`.
+:func:`pdx.transfer.rpc.map_rpc_error`. Each transfer leaves a :class:`TransferRecord`.
+Fetched objects are assembled and verified in :mod:`pdx.transfer.objects`; data-plane
+bytes move in worker threads through :mod:`pdx.transfer.dataplane.client`.
 """
 
 from __future__ import annotations
@@ -14,7 +16,6 @@ import asyncio
 import concurrent.futures
 import secrets
 import ssl
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,20 +25,18 @@ import grpc
 import xxhash
 
 from pdx._proto import kv_transfer_pb2 as pb
-from pdx.serving.audit import AuditLog
-from pdx.serving.contract import (
+from pdx.errors import InputError
+from pdx.netaddr import parse_hostport
+from pdx.tls import TLSConfig, channel_credentials, client_ssl_context
+from pdx.transfer.audit import AuditLog
+from pdx.transfer.contract import (
     CLIENT_ID_METADATA_KEY,
-    ERROR_METADATA_KEY,
-    RESUME_METADATA_KEY,
     KVClientConfig,
     KVError,
     KVErrorCode,
     KVLayout,
-    TLSConfig,
 )
-from pdx.serving.kv_data import (
-    BUFFERS,
-    Conn,
+from pdx.transfer.dataplane.client import (
     ConnPool,
     DataPlaneUnreachable,
     Endpoint,
@@ -45,13 +44,17 @@ from pdx.serving.kv_data import (
     get_stream,
     put_stream,
 )
-from pdx.serving.kv_server import CHANNEL_OPTIONS, SERVICE_NAME
-from pdx.serving.kv_wire import digest64, encode_chunk, parse_chunk
-from pdx.serving.metrics import KVMetrics, TransferRecord
-from pdx.serving.retry import GlobalRetryBudget, backoff_s
+from pdx.transfer.dataplane.framing import Conn
+from pdx.transfer.metrics import KVMetrics, TransferRecord
+from pdx.transfer.objects import Assembly, KVObject, encode_tensors
+from pdx.transfer.retry import GlobalRetryBudget, backoff_s
+from pdx.transfer.rpc import CHANNEL_OPTIONS, SERVICE_NAME, map_rpc_error
+from pdx.transfer.wire import digest64, encode_chunk
 
 if TYPE_CHECKING:
     import torch
+
+__all__ = ["KVClient", "KVObject", "encode_tensors", "map_rpc_error"]
 
 T = TypeVar("T")
 
@@ -68,110 +71,6 @@ RECONNECT_OPTIONS: list[tuple[str, int]] = [
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
-
-_FROM_STATUS: dict[grpc.StatusCode, KVErrorCode] = {
-    grpc.StatusCode.NOT_FOUND: KVErrorCode.KV_NOT_FOUND,
-    grpc.StatusCode.DATA_LOSS: KVErrorCode.KV_CORRUPT,
-    grpc.StatusCode.DEADLINE_EXCEEDED: KVErrorCode.KV_TIMEOUT,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: KVErrorCode.KV_OVERLOADED,
-    grpc.StatusCode.INVALID_ARGUMENT: KVErrorCode.KV_INVALID,
-    grpc.StatusCode.UNAVAILABLE: KVErrorCode.KV_UNAVAILABLE,
-    grpc.StatusCode.CANCELLED: KVErrorCode.KV_UNAVAILABLE,
-    grpc.StatusCode.UNAUTHENTICATED: KVErrorCode.KV_UNAUTHENTICATED,
-    grpc.StatusCode.PERMISSION_DENIED: KVErrorCode.KV_UNAUTHENTICATED,
-    grpc.StatusCode.INTERNAL: KVErrorCode.KV_INTERNAL,
-}
-
-
-def map_rpc_error(exc: grpc.aio.AioRpcError, kv_id: str = "") -> KVError:
-    """The one mapping from a gRPC failure to a contract error (metadata first, status second)."""
-    meta = {k: v for k, v in (exc.trailing_metadata() or ())}
-    name = meta.get(ERROR_METADATA_KEY)
-    if isinstance(name, str) and name in KVErrorCode.__members__:
-        code = KVErrorCode(name)
-    else:
-        code = _FROM_STATUS.get(exc.code(), KVErrorCode.KV_INTERNAL)
-    resume = meta.get(RESUME_METADATA_KEY)
-    details = exc.details() or exc.code().name
-    prefix = f"{code.value}: "
-    message = details.removeprefix(prefix).split(" [kv1.")[0]
-    return KVError(
-        code,
-        message,
-        kv_id=kv_id,
-        resume_chunk=int(resume) if isinstance(resume, str) and resume.isdigit() else None,
-    )
-
-
-class KVObject:
-    """A fetched, verified object: its description and its chunks (no copy on receipt).
-
-    ``chunks`` are views into the received messages; ``data`` joins them into one
-    buffer on first use; ``tensors()`` decodes with the codec the layout records.
-    """
-
-    def __init__(
-        self, info: pb.ObjectInfo, chunks: list[memoryview], data: memoryview | None = None
-    ) -> None:
-        self.info = info
-        self.chunks = chunks
-        self._data: bytes | memoryview | None = data
-
-    @property
-    def kv_id(self) -> str:
-        """The object's id."""
-        return self.info.kv_id
-
-    @property
-    def layout(self) -> KVLayout:
-        """How the bytes map to tensors."""
-        return KVLayout.from_proto(self.info.layout)
-
-    @property
-    def data(self) -> bytes | memoryview:
-        """The whole object as one buffer (joined once, then cached; the data plane
-        receives into one buffer, so there is nothing to join)."""
-        if self._data is None:
-            self._data = b"".join(self.chunks)
-        return self._data
-
-    def __len__(self) -> int:
-        return int(self.info.size_bytes)
-
-    def tensors(self) -> list[torch.Tensor]:
-        """Decode every tensor with the codec the layout records."""
-        from pdx.kv.codecs import get_codec
-
-        layout = self.layout
-        codec = get_codec(layout.codec)
-        view = memoryview(self.data)
-        out, pos = [], 0
-        for n in layout.tensor_bytes:
-            out.append(codec.decode(view[pos : pos + n]))
-            pos += n
-        return out
-
-
-def encode_tensors(
-    tensors: Sequence[torch.Tensor], codec: str = "raw", roles: Sequence[str] | None = None
-) -> tuple[bytes, KVLayout]:
-    """Encode tensors with a registered codec into one payload and the layout describing it."""
-    from pdx.kv.codecs import get_codec
-    from pdx.kv.codecs.base import dtype_name
-
-    c = get_codec(codec)
-    if roles is None:
-        roles = ["key" if i % 2 == 0 else "value" for i in range(len(tensors))]
-    parts = [c.encode(t, role) for t, role in zip(tensors, roles, strict=True)]  # type: ignore[arg-type]
-    layout = KVLayout(
-        codec=codec,
-        dtype=dtype_name(tensors[0].dtype) if tensors else "",
-        num_layers=len(tensors) // 2,
-        shapes=[list(t.shape) for t in tensors],
-        tensor_bytes=[len(p) for p in parts],
-        roles=list(roles),
-    )
-    return b"".join(parts), layout
 
 
 @dataclass
@@ -213,14 +112,10 @@ class KVClient:
             self.cfg.retry_ratio, self.cfg.retry_min_per_s, self.cfg.retry_window_s
         )
         if credentials is None and tls is not None:
-            from pdx.serving.tls import channel_credentials
-
             credentials = channel_credentials(tls)
         self._channels = [self._channel(i, credentials) for i in range(self.cfg.connections)]
         self._metadata = ((CLIENT_ID_METADATA_KEY, self.cfg.client_id),)
         if data_ssl is None and tls is not None:
-            from pdx.serving.tls import client_ssl_context
-
             data_ssl = client_ssl_context(tls)
         self._data_ssl = data_ssl
         self._secure = credentials is not None or data_ssl is not None
@@ -397,9 +292,6 @@ class KVClient:
             if strict:
                 raise KVError(KVErrorCode.KV_UNAVAILABLE, f"transport data: {why}")
             return None
-        from pdx.errors import InputError
-        from pdx.netaddr import parse_hostport
-
         try:
             if self.cfg.data_target:
                 host, port = parse_hostport(self.cfg.data_target, "data_target")
@@ -595,7 +487,7 @@ class KVClient:
         return obj
 
     async def _get_object(self, req: _Request, kv_id: str) -> KVObject:
-        got = _Assembly(kv_id)
+        got = Assembly(kv_id)
         await self._data_endpoint(req)  # a transport that cannot work fails here, not retried
         ranges = [(0, 0)]
         if self.cfg.streams > 1:
@@ -607,7 +499,7 @@ class KVClient:
         )
         return got.finish()
 
-    async def _get_range(self, req: _Request, k: int, got: _Assembly, start: int, end: int) -> None:
+    async def _get_range(self, req: _Request, k: int, got: Assembly, start: int, end: int) -> None:
         call = self._rpc(
             k, "unary_stream", "Get", request_serializer=pb.GetRequest.SerializeToString
         )
@@ -650,7 +542,7 @@ class KVClient:
                 if exc.code is KVErrorCode.KV_CORRUPT:
                     req.resumed_chunks += state["next"] - start
 
-    async def _receive(self, stream: Any, got: _Assembly, state: dict[str, int]) -> None:
+    async def _receive(self, stream: Any, got: Assembly, state: dict[str, int]) -> None:
         first = True
         async for raw in stream:
             if first:
@@ -692,104 +584,6 @@ class KVClient:
             "stat", kv_id, "Stat", pb.StatRequest(kv_id=kv_id), pb.StatResponse
         )
         return resp.info
-
-
-class _Assembly:
-    """Chunks of one object arriving over one or more streams, each verified on receipt."""
-
-    def __init__(self, kv_id: str) -> None:
-        self.kv_id = kv_id
-        self.info: pb.ObjectInfo | None = None
-        self.chunks: list[memoryview | None] = []
-        self.whole = xxhash.xxh3_64()
-        self.hashed = 0
-        # Data plane: every chunk lands in this one buffer, filled by worker threads.
-        self.buffer: memoryview | None = None
-        self.in_buffer = 0  # chunks that arrived there (the rest came over gRPC)
-        self.lock = threading.Lock()
-
-    def accept_info(self, info: pb.ObjectInfo) -> None:
-        """Check the object description (and that it did not change between streams)."""
-        with self.lock:
-            self._accept_info(info)
-
-    def _accept_info(self, info: pb.ObjectInfo) -> None:
-        known = self.info
-        if known is not None and (
-            known.object_digest != info.object_digest or known.size_bytes != info.size_bytes
-        ):
-            raise self.corrupt(None, "object changed between reads")
-        if info.kv_id != self.kv_id or len(info.chunk_digests) != info.num_chunks:
-            raise self.corrupt(None, "malformed object info")
-        if known is None:
-            self.info = info
-            self.chunks = [None] * info.num_chunks
-
-    def add(self, index: int, raw: bytes) -> None:
-        """Verify chunk ``index`` (index, length, digest vs message and vs info) and keep it."""
-        info = self.info
-        if info is None:
-            raise self.corrupt(index, "chunk before object info")
-        try:
-            chunk = parse_chunk(raw)
-        except ValueError as exc:
-            raise self.corrupt(index, str(exc)) from None
-        expected_len = min(info.chunk_size_bytes, info.size_bytes - index * info.chunk_size_bytes)
-        if chunk.index != index or index >= info.num_chunks or len(chunk.data) != expected_len:
-            raise self.corrupt(index, f"got chunk {chunk.index} of {len(chunk.data)} bytes")
-        if chunk.digest != info.chunk_digests[index] or digest64(chunk.data) != chunk.digest:
-            raise self.corrupt(index, "digest mismatch")
-        self.chunks[index] = chunk.data
-        self._hash_prefix()
-
-    def slot(self, index: int, digest: int, length: int) -> memoryview:
-        """(data plane) Check a chunk header against the object info; where its bytes go."""
-        info = self.info
-        if info is None:
-            raise self.corrupt(index, "chunk before object info")
-        size = info.chunk_size_bytes
-        expected_len = min(size, info.size_bytes - index * size)
-        if index >= info.num_chunks or length != expected_len:
-            raise self.corrupt(index, f"got {length} bytes, expected {expected_len}")
-        if digest != info.chunk_digests[index]:
-            raise self.corrupt(index, "digest differs from the object info")
-        with self.lock:
-            if self.buffer is None:
-                self.buffer = BUFFERS.get(info.size_bytes)
-        return self.buffer[index * size : index * size + length]
-
-    def add_view(self, index: int, digest: int, view: memoryview) -> None:
-        """(data plane) Verify the bytes that arrived in :meth:`slot`'s view and keep them."""
-        if digest64(view) != digest:
-            raise self.corrupt(index, "digest mismatch")
-        with self.lock:
-            if self.chunks[index] is None:
-                self.in_buffer += 1
-            self.chunks[index] = view
-            self._hash_prefix()
-
-    def _hash_prefix(self) -> None:
-        while self.hashed < len(self.chunks) and self.chunks[self.hashed] is not None:
-            self.whole.update(self.chunks[self.hashed])  # type: ignore[arg-type]
-            self.hashed += 1
-
-    def finish(self) -> KVObject:
-        """Check the whole-object digest (grown in chunk order as chunks arrived)."""
-        info = self.info
-        with self.lock:
-            self._hash_prefix()
-        if info is None or self.hashed != len(self.chunks):
-            raise self.corrupt(0, "object incomplete")
-        got = self.whole.intdigest()
-        if got != info.object_digest:
-            raise self.corrupt(0, f"object digest {got:016x} != {info.object_digest:016x}")
-        joined = self.buffer if self.in_buffer == len(self.chunks) else None
-        return KVObject(info, self.chunks, joined)  # type: ignore[arg-type]
-
-    def corrupt(self, index: int | None, why: str) -> KVError:
-        """A KV_CORRUPT error resuming at ``index``."""
-        where = f"chunk {index}: " if index is not None else ""
-        return KVError(KVErrorCode.KV_CORRUPT, where + why, kv_id=self.kv_id, resume_chunk=index)
 
 
 async def _put_messages(

@@ -11,9 +11,10 @@ import pytest
 import xxhash
 
 from pdx._proto import kv_transfer_pb2 as pb
-from pdx.serving.contract import KVError, KVErrorCode
-from pdx.serving.kv_client import KVClient, map_rpc_error
-from pdx.serving.kv_wire import encode_chunk
+from pdx.transfer.client import KVClient
+from pdx.transfer.contract import KVError, KVErrorCode
+from pdx.transfer.rpc import map_rpc_error
+from pdx.transfer.wire import encode_chunk
 
 CHUNK = 64 * 1024
 

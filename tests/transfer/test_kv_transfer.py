@@ -8,9 +8,9 @@ import os
 import pytest
 import torch
 
-from pdx.serving.audit import read_audit
-from pdx.serving.contract import KVError, KVErrorCode, new_kv_id, parse_kv_id
-from pdx.serving.kv_client import KVClient
+from pdx.transfer.audit import read_audit
+from pdx.transfer.client import KVClient
+from pdx.transfer.contract import KVError, KVErrorCode, new_kv_id, parse_kv_id
 
 
 async def test_put_get_roundtrip_bytes_and_info(kv_server_factory, kv_client_cfg) -> None:

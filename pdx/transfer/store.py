@@ -17,8 +17,8 @@ from typing import Any
 import xxhash
 
 from pdx._proto import kv_transfer_pb2 as pb
-from pdx.serving.audit import AuditLog, digest_hex
-from pdx.serving.contract import (
+from pdx.transfer.audit import AuditLog, digest_hex
+from pdx.transfer.contract import (
     CHUNK_MIN_KB,
     TTL_MAX_S,
     TTL_MIN_S,
@@ -31,8 +31,8 @@ from pdx.serving.contract import (
     new_kv_id,
     parse_kv_id,
 )
-from pdx.serving.kv_wire import ChunkView, digest64, encode_chunk
-from pdx.serving.metrics import KVMetrics
+from pdx.transfer.metrics import KVMetrics
+from pdx.transfer.wire import ChunkView, digest64, encode_chunk
 from pdx.units import KIB
 
 _TOMBSTONES = 100_000  # remembered deleted ids, so a late Get says why (expired/released)

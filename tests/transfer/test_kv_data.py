@@ -12,10 +12,10 @@ import time
 import pytest
 
 from pdx._proto import kv_transfer_pb2 as pb
-from pdx.serving.contract import KVClientConfig, KVError, KVErrorCode, TLSConfig
-from pdx.serving.kv_client import KVClient
-from pdx.serving.kv_data import FRAME, VERSION, BufferPool, Kind
-from pdx.serving.tls import client_ssl_context, init_certs
+from pdx.tls import TLSConfig, client_ssl_context, init_certs
+from pdx.transfer.client import KVClient
+from pdx.transfer.contract import KVClientConfig, KVError, KVErrorCode
+from pdx.transfer.dataplane.framing import FRAME, VERSION, BufferPool, Kind
 
 
 def _cfg(**kw) -> KVClientConfig:
@@ -231,9 +231,9 @@ async def test_store_stop_ends_open_connections_promptly(kv_server_factory) -> N
 
 
 async def test_a_pooled_connection_the_store_closed_is_replaced(kv_server_factory, monkeypatch):
-    import pdx.serving.kv_data as kv_data
+    import pdx.transfer.dataplane.server as data_server
 
-    monkeypatch.setattr(kv_data, "IDLE_TIMEOUT_S", 0.2)
+    monkeypatch.setattr(data_server, "IDLE_TIMEOUT_S", 0.2)
     _, target = await kv_server_factory()
     async with KVClient(target, _cfg(kv_retry_budget=0)) as kv:
         kv_id = await kv.put(b"x" * 100_000)
@@ -284,7 +284,7 @@ async def test_an_object_written_on_one_transport_reads_on_the_other(
 
 
 async def test_a_handoff_the_thread_gave_up_on_never_waits_forever() -> None:
-    from pdx.serving.kv_data import Handoff
+    from pdx.transfer.dataplane.server import Handoff
 
     loop = asyncio.get_running_loop()
     late = Handoff(loop)
@@ -329,7 +329,7 @@ async def test_a_request_queued_past_its_deadline_leaves_no_slot_behind(
 
 async def _move_data_plane(server) -> int:
     """Restart the store's data plane on another port (as a restarted store would be)."""
-    from pdx.serving.kv_server import _data_server
+    from pdx.transfer.server import _data_server
 
     old = server.service.data_server
     await asyncio.to_thread(old.stop, 0.5)

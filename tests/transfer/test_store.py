@@ -11,9 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdx._proto import kv_transfer_pb2 as pb
-from pdx.serving.contract import KVError, KVErrorCode, KVStoreConfig, ManualClock
-from pdx.serving.kv_wire import digest64, encode_chunk, parse_chunk
-from pdx.serving.store import KVStore
+from pdx.transfer.contract import KVError, KVErrorCode, KVStoreConfig, ManualClock
+from pdx.transfer.store import KVStore
+from pdx.transfer.wire import digest64, encode_chunk, parse_chunk
 
 CHUNK = 64 * 1024
 

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from pdx.errors import InputError
-from pdx.serving.contract import KVError, KVErrorCode, TLSConfig
-from pdx.serving.kv_client import KVClient
-from pdx.serving.tls import channel_credentials, init_certs
+from pdx.tls import TLSConfig, channel_credentials, init_certs
+from pdx.transfer.client import KVClient
+from pdx.transfer.contract import KVError, KVErrorCode
 
 
 @pytest.fixture(scope="module")

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from pdx.faults import Corrupt, FaultProxy, Timeout
-from pdx.serving.contract import KVError, KVErrorCode
-from pdx.serving.kv_client import KVClient
-from pdx.serving.retry import GlobalRetryBudget
+from pdx.transfer.client import KVClient
+from pdx.transfer.contract import KVError, KVErrorCode
+from pdx.transfer.retry import GlobalRetryBudget
 
 # The corruption tests run over plaintext on purpose: under TLS a flipped byte breaks the
 # record MAC and surfaces as a connection error, never as bad data.

@@ -1,4 +1,4 @@
-"""Fixtures for the KV store tests: real servers on ephemeral loopback ports."""
+"""Fixtures for the KV transfer tests: real store servers on ephemeral loopback ports."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from pdx.serving.audit import AuditLog
-from pdx.serving.contract import KVClientConfig, KVStoreConfig, ManualClock
-from pdx.serving.kv_server import KVServer, create_kv_server
+from pdx.transfer.audit import AuditLog
+from pdx.transfer.contract import KVClientConfig, KVStoreConfig, ManualClock
+from pdx.transfer.server import KVServer, create_kv_server
 
 
 @pytest.fixture

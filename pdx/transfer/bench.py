@@ -100,7 +100,7 @@ def _payload(total_bytes: int, codec: str) -> tuple[bytes, Any]:
         return os.urandom(total_bytes), None
     import torch
 
-    from pdx.serving.kv_client import encode_tensors
+    from pdx.transfer.objects import encode_tensors
 
     x = torch.randn(total_bytes // 2, dtype=torch.float32).to(torch.bfloat16)
     payload, layout = encode_tensors([x], codec, ["value"])
@@ -177,7 +177,7 @@ class _CpuMeter:
 async def _rounds(
     target: str, payload: bytes, layout: Any, cfg: Any, tls: Any, repeat: int, meter: _CpuMeter
 ) -> dict[str, Any]:
-    from pdx.serving.kv_client import KVClient
+    from pdx.transfer.client import KVClient
 
     put_runs, get_runs = [], []
     async with KVClient(target, cfg, tls=tls) as kv:
@@ -222,7 +222,8 @@ def run_bench(
 ) -> BenchResult:
     """Start a store process, then time ``repeat`` Put+Get rounds of one object."""
     from pdx.config import build_config
-    from pdx.serving.contract import KVClientConfig, TLSConfig
+    from pdx.tls import TLSConfig
+    from pdx.transfer.contract import KVClientConfig
 
     cfg = build_config(
         KVClientConfig,
@@ -238,7 +239,7 @@ def run_bench(
     )
     if repeat < 1:
         raise InputError("--repeat", repeat, "at least 1")
-    from pdx.serving.kv_server import tune_malloc
+    from pdx.transfer.server import tune_malloc
 
     tune_malloc()
     payload, layout = _payload(total_bytes, codec)
@@ -246,7 +247,7 @@ def run_bench(
         args = ["--budget-gb", str(max(4.0, 3 * len(payload) / 1e9))]
         client_tls = None
         if tls:
-            from pdx.serving.tls import init_certs
+            from pdx.tls import init_certs
 
             init_certs(Path(tmp))
             args += ["--tls-dir", tmp]

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from pdx.serving.audit import AuditLog, read_audit
-from pdx.serving.contract import KVError, KVErrorCode, ManualClock, new_kv_id
-from pdx.serving.kv_client import KVClient
+from pdx.transfer.audit import AuditLog, read_audit
+from pdx.transfer.client import KVClient
+from pdx.transfer.contract import KVError, KVErrorCode, ManualClock, new_kv_id
 
 
 def test_appends_and_never_rewrites(tmp_path: Path) -> None:

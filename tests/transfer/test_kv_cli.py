@@ -79,7 +79,7 @@ def test_process_cpu_s_reads_this_and_another_process() -> None:
     import subprocess
     import sys
 
-    from pdx.serving.kv_bench import process_cpu_s
+    from pdx.transfer.bench import process_cpu_s
 
     mine = process_cpu_s()
     assert mine is not None and mine > 0

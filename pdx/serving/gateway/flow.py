@@ -1,0 +1,257 @@
+"""One request's way through prefill (maybe) and decode, as a stream of tokens.
+
+:class:`Flow` runs the route the router chose, degrades to local prefill when prefill or
+the KV store fails, records the timings and the ``pdx`` object of the response, and maps
+decode failures to :class:`HTTPProblem`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import secrets
+import time
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import grpc
+
+from pdx._proto import serving_pb2
+from pdx.serving.gateway.protocol import CompletionRequest, HTTPProblem
+from pdx.serving.router import Decision, PrefillInstance
+
+if TYPE_CHECKING:
+    from pdx.serving.gateway.app import Gateway
+
+MARKS = ("prefill_first_event", "prefill_stored_event", "decode_first_chunk",
+         "first_to_second_token")  # fmt: skip
+
+
+@dataclass
+class Outcome:
+    """What a request produced, for the response body."""
+
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str = ""
+    pdx: dict[str, Any] = field(default_factory=dict)
+
+
+class Flow:
+    """One request through prefill (maybe) and decode, yielding tokens as they arrive."""
+
+    def __init__(self, gw: Gateway, req: CompletionRequest, decision: Decision) -> None:
+        self.gw, self.req, self.decision = gw, req, decision
+        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.outcome = Outcome()
+        self.t0 = time.perf_counter()
+        self.ttft_s: float | None = None
+        self.prefill_first: serving_pb2.PrefillFirstToken | None = None
+        self.prefill_reply: serving_pb2.PrefillReply | None = None
+        self.marks: dict[str, float] = {}  # gateway-side intervals, seconds
+        self.client_gone = False  # the streaming client disconnected before the end
+
+    async def collect(self) -> Outcome:
+        """Run to completion (non-streaming)."""
+        async for _ in self.events():
+            pass
+        return self.outcome
+
+    async def events(self) -> AsyncGenerator[int, None]:
+        """Generated tokens in order; raises HTTPProblem on failure."""
+        d = self.decision.decode
+        d.in_flight += 1
+        self.gw.metrics.in_flight.labels(d.name).set(d.in_flight)
+        outcome_label = "error"
+        try:
+            gen = self._generate_request()
+            # aclosing: when the client leaves, closing this generator cancels the gRPC calls
+            # at once (not whenever the garbage collector finalises the inner generators).
+            if self.decision.route == "disaggregated" and self.decision.prefill is not None:
+                async with contextlib.aclosing(self._prefill(self.decision.prefill, gen)) as pf:
+                    async for token in pf:
+                        yield token
+            if self.decision.degrade_reason:
+                gen.degrade_reason = self.decision.degrade_reason
+            async with contextlib.aclosing(self._decode(gen)) as dec:
+                async for token in dec:
+                    yield token
+            outcome_label = "degraded" if self.outcome.pdx.get("degraded") else "ok"
+        finally:
+            if self.client_gone:
+                outcome_label = "client_disconnect"
+            d.in_flight -= 1
+            self.gw.metrics.in_flight.labels(d.name).set(d.in_flight)
+            route = self.outcome.pdx.get("route", self.decision.route)
+            self.gw.metrics.requests.labels(route, outcome_label).inc()
+
+    def _generate_request(self) -> serving_pb2.GenerateRequest:
+        req = self.req
+        sampling = serving_pb2.SamplingParams(
+            max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
+            ignore_eos=req.ignore_eos,
+        )  # fmt: skip
+        return serving_pb2.GenerateRequest(
+            request_id=self.id, prompt_token_ids=req.prompt_ids, sampling=sampling
+        )
+
+    async def _prefill(
+        self, p: PrefillInstance, gen: serving_pb2.GenerateRequest
+    ) -> AsyncGenerator[int, None]:
+        """Yield prefill's first token the moment it arrives; fill in the kv_id once stored.
+
+        The client gets the first token while prefill still encodes and stores the KV, so the
+        store Put is not on the time to first token. Failures degrade to local prefill.
+        """
+        request = serving_pb2.PrefillRequest(
+            request_id=self.id, token_ids=gen.prompt_token_ids, sampling=gen.sampling,
+            codec=self.req.kv_codec,
+        )  # fmt: skip
+        p.in_flight += 1
+        sent = time.perf_counter()
+        call = p.stub.PrefillStream(request, timeout=self.gw.cfg.request_timeout_s)
+        try:
+            async for event in call:
+                if event.HasField("first"):
+                    self.marks["prefill_first_event"] = time.perf_counter() - sent
+                    self.prefill_first = event.first
+                    gen.first_token, gen.has_first_token = event.first.first_token, True
+                    self._token(gen.first_token)
+                    yield gen.first_token
+                elif event.HasField("stored"):
+                    self.marks["prefill_stored_event"] = time.perf_counter() - sent
+                    self.prefill_reply = stored = event.stored
+                    gen.kv_id = stored.kv_id
+                    gen.kv_endpoint = self.gw.kv_route.get(stored.kv_endpoint, stored.kv_endpoint)
+        except grpc.aio.AioRpcError as exc:
+            self._prefill_failed(exc, gen.has_first_token)
+        finally:
+            call.cancel()
+            p.in_flight -= 1
+        if not gen.kv_id and not self.decision.degrade_reason:
+            self._degrade_to_local("prefill_no_kv")
+
+    def _prefill_failed(self, exc: grpc.aio.AioRpcError, started: bool) -> None:
+        if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and not started:
+            raise HTTPProblem(400, exc.details() or "bad request", "invalid_request_error")
+        if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._degrade_to_local("prefill_overloaded")
+        else:  # after the first token: the KV could not be stored; decode prefills itself
+            self._degrade_to_local("kv_store_failed" if started else "prefill_unavailable")
+
+    def _degrade_to_local(self, reason: str) -> None:
+        self.decision.degrade_reason = reason
+        self.decision.route = "local"
+
+    async def _decode(self, gen: serving_pb2.GenerateRequest) -> AsyncGenerator[int, None]:
+        d = self.decision.decode
+        sent = time.perf_counter()
+        call = d.stub.Generate(gen, timeout=self.gw.cfg.request_timeout_s)
+        # Prefill's first token went out already; decode echoes it first, skipped here.
+        skip = 1 if gen.has_first_token else 0
+        try:
+            async for chunk in call:
+                self.marks.setdefault("decode_first_chunk", time.perf_counter() - sent)
+                for token in chunk.token_ids:
+                    if skip:
+                        skip -= 1
+                        continue
+                    self._token(token)
+                    yield token
+                if chunk.finish_reason:
+                    self._finish(chunk)
+        except grpc.aio.AioRpcError as exc:
+            raise self._decode_problem(exc, bool(self.outcome.tokens)) from None
+        finally:
+            call.cancel()
+        if not self.outcome.finish_reason:
+            raise HTTPProblem(502, f"decode {d.name} ended the stream early", "decode_failed")
+
+    def _decode_problem(self, exc: grpc.aio.AioRpcError, started: bool) -> HTTPProblem:
+        d, code = self.decision.decode, exc.code()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not started:
+            self.gw.metrics.rejections.labels("decode_full").inc()
+            return HTTPProblem(
+                429, f"decode {d.name}: {exc.details()}", "overloaded",
+                {"Retry-After": str(self.gw.cfg.retry_after_s)},
+            )  # fmt: skip
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            return HTTPProblem(400, exc.details() or "bad request", "invalid_request_error")
+        d.healthy = False  # until the next successful status poll
+        where = f"after {len(self.outcome.tokens)} tokens" if started else "before the first token"
+        return HTTPProblem(
+            502,
+            f"decode instance {d.name} failed {where}: {code.name}: {exc.details()}",
+            "decode_failed",
+        )
+
+    def _token(self, token: int) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.t0
+        elif len(self.outcome.tokens) == 1:
+            self.marks["first_to_second_token"] = time.perf_counter() - self.t0 - self.ttft_s
+        self.outcome.tokens.append(token)
+
+    def _finish(self, chunk: serving_pb2.GenerateChunk) -> None:
+        st, m = chunk.stats, self.gw.metrics
+        self.outcome.finish_reason = chunk.finish_reason
+        degraded = st.degraded or bool(self.decision.degrade_reason)
+        reason = st.degrade_reason or self.decision.degrade_reason
+        if degraded:
+            m.degradations.labels(reason.split(":")[0]).inc()
+        if st.transfer_outcome:
+            ok = st.transfer_outcome == "ok"
+            m.transfer_outcomes.labels(st.transfer_outcome).inc()
+            self.gw.router.breaker.record(ok, st.transfer_ms)
+            if ok:
+                m.transfer.observe(st.transfer_ms / 1e3)
+                m.kv_bytes.inc(st.kv_bytes)
+        m.retries.inc(st.retries)
+        e2e_s = time.perf_counter() - self.t0
+        route = st.route or self.decision.route
+        if self.ttft_s is not None:
+            m.ttft.labels(route).observe(self.ttft_s)
+            n = len(self.outcome.tokens)
+            if n > 1:
+                m.tpot.labels(route).observe((e2e_s - self.ttft_s) / (n - 1))
+        self.outcome.pdx = self._pdx(st, route, degraded, reason, e2e_s)
+
+    def _pdx(
+        self, st: serving_pb2.GenerateStats, route: str, degraded: bool, reason: str, e2e_s: float
+    ) -> dict[str, Any]:
+        pr = self.prefill_reply
+        return {
+            "route": route,
+            "requested_route": self.req.route,
+            "synthetic": self.gw.synthetic,
+            "degraded": degraded,
+            "degrade_reason": reason or None,
+            "kv_bytes": st.kv_bytes,
+            "transfer_ms": round(st.transfer_ms, 3),
+            "retries": st.retries,
+            "transfer_outcome": st.transfer_outcome or None,
+            "decode_instance": st.instance or self.decision.decode.name,
+            "prefill_instance": self.decision.prefill.name
+            if pr and self.decision.prefill
+            else None,
+            "kv_id": pr.kv_id if pr else None,
+            "timings_ms": self._timings(st, e2e_s),
+        }
+
+    def _timings(self, st: serving_pb2.GenerateStats, e2e_s: float) -> dict[str, float | None]:
+        """Where the time went (ms): prefill and decode figures plus gateway-side intervals."""
+        pf, pr = self.prefill_first, self.prefill_reply
+
+        def ms(value: float | None) -> float | None:
+            return None if value is None else round(value, 3)
+
+        return {
+            "ttft": ms((self.ttft_s or 0.0) * 1e3),
+            "e2e": ms(e2e_s * 1e3),
+            "prefill_queue": ms(pf.queue_ms) if pf else None,
+            "prefill": ms(pf.prefill_ms) if pf else None,
+            "kv_store": ms(pr.store_ms) if pr else None,
+            "decode_kv_ready": ms(st.queue_ms),
+            "local_prefill": ms(st.local_prefill_ms),
+            "first_decode_step": ms(st.first_step_ms),
+            **{k: ms(self.marks[k] * 1e3) if k in self.marks else None for k in MARKS},
+        }
