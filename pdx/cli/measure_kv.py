@@ -25,7 +25,7 @@ def measure_kv_command(
     state_dtype: str = typer.Option(
         "auto",
         "--state-dtype",
-        help="Recurrent/conv state type: auto (= --dtype; bf16 for fp8), fp32, bf16, fp16.",
+        help="Recurrent/SSM state type: auto (as the engine keeps each state), fp32, bf16, fp16.",
     ),
     seq: str = typer.Option("1024,8192,32768", "--seq", help="Prompt lengths, comma-separated."),
     qps: float = typer.Option(1.0, "--qps", help="Requests per second for the budget."),
@@ -54,9 +54,21 @@ def measure_kv_command(
     empirical_seq: int = typer.Option(
         64, "--empirical-seq", help="Cap on the empirical prefill length."
     ),
+    engine: str = typer.Option(
+        "transformers",
+        "--engine",
+        help="Size as this engine holds the KV: transformers (pdx's own pair) or vllm.",
+    ),
+    block_size: int | None = typer.Option(
+        None, "--block-size", help="vLLM block size in tokens (default: vLLM's for --device)."
+    ),
+    device: str = typer.Option(
+        "gpu", "--device", help="vLLM device for the default block size: gpu (16) or cpu (128)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Exact KV bytes per token and per request, compression and its accuracy cost, link budget."""
+    from pdx.errors import MeasurementError
     from pdx.kv.budget import LinkParams
     from pdx.kv.render import render_presets, render_report
     from pdx.kv.report import MeasureOptions, check_codecs, measure_kv
@@ -78,11 +90,18 @@ def measure_kv_command(
         empirical_seq=check_positive("--empirical-seq", empirical_seq),
         active_params=billions("--active-params-b", active_params_b),
         link=LinkParams(qps, link_gbps, prefill_tflops, transfer_overhead_ms),
+        engine=engine,
+        block_size=block_size,
+        device=device,
     )
     check_codecs(opts.codecs)
     if opts.codecs or opts.empirical:
         err_console().print("running the model code (torch) for the measured parts ...")
-    emit(measure_kv(source, opts), as_json=as_json, render=render_report)
+    report = measure_kv(source, opts)
+    emit(report, as_json=as_json, render=render_report)
+    failed = [line for row in report.empirical or [] for line in row["mismatches"]]
+    if failed:
+        raise MeasurementError("analytic and empirical bytes differ: " + "; ".join(failed[:5]))
 
 
 def register(app: typer.Typer) -> None:

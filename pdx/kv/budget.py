@@ -6,6 +6,7 @@ params / FLOP/s (the attention term is ignored, which favours recompute at long 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdx.errors import InputError
@@ -101,16 +102,20 @@ def codec_budget(codec: str, ratio: float, raw_bytes: int, link: LinkParams) -> 
     )
 
 
-def break_even_seq(spec: KVSpec, ratio: float, link: LinkParams) -> int | None:
+def break_even_seq(
+    spec: KVSpec, ratio: float, link: LinkParams, kv_bytes: Callable[[int], int] | None = None
+) -> int | None:
     """Smallest seq where transfer_s < recompute_s (transfer grows no faster than recompute
     beyond the first crossing for these cache shapes, so a doubling search then bisection).
-    None when transfer never wins up to 16 M tokens, or the parameter count is unknown."""
+    None when transfer never wins up to 16 M tokens, or the parameter count is unknown.
+    ``kv_bytes`` (default ``spec.kv_bytes``) gives the bytes an engine holds for a length."""
     params = spec.params_active
+    size = kv_bytes or spec.kv_bytes
     if params <= 0:
         return None
 
     def ships(seq: int) -> bool:
-        return transfer_s(spec.kv_bytes(seq) / ratio, link) < 2.0 * seq * params / (
+        return transfer_s(size(seq) / ratio, link) < 2.0 * seq * params / (
             link.prefill_tflops * 1e12
         )
 
@@ -129,16 +134,24 @@ def break_even_seq(spec: KVSpec, ratio: float, link: LinkParams) -> int | None:
 
 
 def compute_budget(
-    spec: KVSpec, seqs: list[int], ratios: dict[str, float], link: LinkParams
+    spec: KVSpec,
+    seqs: list[int],
+    ratios: dict[str, float],
+    link: LinkParams,
+    kv_bytes: Callable[[int], int] | None = None,
 ) -> Budget:
-    """The budget for each sequence length and codec (``ratios``: codec name → size ratio)."""
+    """The budget for each sequence length and codec (``ratios``: codec name → size ratio).
+
+    ``kv_bytes`` (default ``spec.kv_bytes``) gives the bytes an engine holds for a length.
+    """
     ratios = {"raw": 1.0, **ratios}
+    size = kv_bytes or spec.kv_bytes
     sequences = []
     for seq in seqs:
-        raw = spec.kv_bytes(seq)
+        raw = size(seq)
         per_codec = [codec_budget(name, r, raw, link) for name, r in ratios.items()]
         sequences.append(SeqBudget(seq, raw, recompute_s(seq, spec.params_active, link), per_codec))
-    breaks = [BreakEven(name, break_even_seq(spec, r, link)) for name, r in ratios.items()]
+    breaks = [BreakEven(name, break_even_seq(spec, r, link, size)) for name, r in ratios.items()]
     return Budget(
         qps=link.qps,
         link_gbps=link.link_gbps,

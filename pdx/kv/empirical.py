@@ -17,16 +17,38 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdx.errors import MeasurementError
-from pdx.kv.families import MLA, layer_types, text_config
+from pdx.kv.families import layer_types, text_config
+from pdx.kv.hfconfig import resolve_config
 from pdx.kv.spec import KVSpec, LayerSpec, build_spec
 
 RunDtype = Literal["fp32", "bf16", "fp16"]
 _TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-_ELEM = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
 MAX_TINY_LAYERS = 12
 
 _MOE_COUNTS = ("n_routed_experts", "num_experts", "num_local_experts")
 _DROP = ("quantization_config", "auto_map", "architectures", "_name_or_path", "use_mamba_kernels")
+
+
+@dataclass(frozen=True)
+class TensorCount:
+    """One tensor of the returned cache next to the analytic tensor it should be."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    nbytes: int
+    analytic_shape: list[int]
+    analytic_dtype: str
+    analytic_bytes: int
+
+    @property
+    def match(self) -> bool:
+        """Same element type and the same bytes (and, for states, the same shape)."""
+        return (
+            self.dtype == self.analytic_dtype
+            and self.nbytes == self.analytic_bytes
+            and self.shape == self.analytic_shape
+        )
 
 
 @dataclass(frozen=True)
@@ -42,11 +64,17 @@ class LayerCount:
     recurrent_bytes: int
     dtypes: list[str]
     analytic_bytes: int
+    tensors: list[TensorCount] = field(default_factory=list)
 
     @property
     def bytes(self) -> int:
         """All bytes this layer's cache holds."""
         return self.kv_bytes + self.conv_bytes + self.recurrent_bytes
+
+    @property
+    def match(self) -> bool:
+        """Every tensor matches its analytic counterpart, none is missing or extra."""
+        return self.bytes == self.analytic_bytes and all(t.match for t in self.tensors)
 
 
 @dataclass(frozen=True)
@@ -82,10 +110,23 @@ RUN_AS_IS_MAX_PARAMS = 50_000_000
 
 def fits_as_is(config: dict[str, Any]) -> bool:
     """Whether a random-weight model of ``config`` is small enough to build here unchanged."""
+    from pdx.errors import UnsupportedModelError
     from pdx.kv.params import count_params
 
-    cfg, model_type = text_config(config)
-    return count_params(cfg, model_type)[0] <= RUN_AS_IS_MAX_PARAMS
+    resolved = resolve_config(config, allow_torch=True)
+    cfg = resolved.text
+    try:
+        total = count_params(cfg, resolved.model_type)[0]
+    except UnsupportedModelError:  # a family without a parameter formula: a rough bound
+        hidden = int(cfg.get("hidden_size") or 0)
+        layers = int(cfg.get("num_hidden_layers") or 0)
+        total = 12 * hidden * hidden * layers + 2 * int(cfg.get("vocab_size") or 0) * hidden
+    return total <= RUN_AS_IS_MAX_PARAMS
+
+
+def _resolved_types(config: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+    resolved = resolve_config(config, allow_torch=True)
+    return layer_types(resolved.text, resolved.model_type), resolved.text
 
 
 def tiny_config(
@@ -96,28 +137,35 @@ def tiny_config(
     ``head_dim=None`` keeps the model's own head size (realistic K/V rows for codec tests).
     """
     cfg, model_type = text_config(config)
-    kinds = layer_types(cfg, model_type)
-    n = min(_first_all_kinds(kinds), MAX_TINY_LAYERS)
+    kinds, full = _resolved_types(config)
+    n, shared = _tiny_layer_count(kinds)
     new = {k: v for k, v in cfg.items() if k not in _DROP}
     new["model_type"] = model_type
     heads = 4
-    dim = head_dim or _own_head_dim(cfg)
+    dim = head_dim or _own_head_dim(full)
+    mla = full.get("kv_lora_rank") is not None
     updates: dict[str, Any] = {
         "num_hidden_layers": n,
         "num_attention_heads": heads,
         "hidden_size": heads * dim if head_dim is None else 64,
         "intermediate_size": 128,
         "vocab_size": 512,
-        "num_key_value_heads": _tiny_kv_heads(cfg, heads),
+        "num_key_value_heads": _tiny_kv_heads(full, heads),
     }
-    if model_type in MLA:  # MLA sizes come from its own fields; head_dim is derived there
+    if mla:  # MLA sizes come from its own fields; head_dim is derived there
         updates["hidden_size"] = heads * 16 if head_dim else heads * 64
     elif cfg.get("head_dim") is not None or head_dim is None:
         updates["head_dim"] = dim
     updates.update(_family_updates(cfg, n, narrow=head_dim is not None))
+    updates.update(_state_updates(cfg, updates["hidden_size"]))
+    updates.update(_per_layer_updates(cfg, n, int(full.get("num_hidden_layers") or n)))
+    if shared:
+        updates["num_kv_shared_layers"] = shared
     if "sliding" not in {_kind_of(k) for k in kinds[:n]}:
         updates.pop("sliding_window", None)
         updates.pop("attention_chunk_size", None)
+    if isinstance(cfg.get("pad_token_id"), int) and cfg["pad_token_id"] >= updates["vocab_size"]:
+        updates["pad_token_id"] = 0
     changed: dict[str, list[Any]] = {}
     for key, value in updates.items():
         if key in cfg or key in ("num_key_value_heads", "head_dim"):
@@ -125,6 +173,58 @@ def tiny_config(
                 changed[key] = [_short(cfg.get(key)), _short(value)]
             new[key] = value
     return new, changed
+
+
+def _tiny_layer_count(kinds: list[str]) -> tuple[int, int]:
+    """Layers of the tiny model and how many of them reuse another layer's KV."""
+    own = [k for k in kinds if k != "dummy"]
+    n = min(_first_all_kinds(own), MAX_TINY_LAYERS)
+    if len(own) == len(kinds):
+        return n, 0
+    return n + 2, 2  # a KV-sharing model keeps two sharing layers at the end
+
+
+def _state_updates(cfg: dict[str, Any], hidden: int) -> dict[str, Any]:
+    """Narrow SSM / convolution fields consistently (heads x head size = expand x hidden)."""
+    up: dict[str, Any] = {}
+    heads = 4
+    head = 2 * hidden // heads
+    for key in ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads"):
+        up[key] = heads
+    for key in ("mamba_d_head", "mamba_head_dim", "mamba_headdim"):
+        up[key] = head
+    up["mamba_d_ssm"] = heads * head
+    for key in ("mamba_d_state", "ssm_state_size", "state_size"):
+        up[key] = 8
+    for key in ("mamba_n_groups", "n_groups", "mamba_ngroups", "mamba_num_groups"):
+        up[key] = 1 if cfg.get(key) == 1 else 2
+    for key in ("mamba_chunk_size", "chunk_size"):
+        up[key] = 16
+    up.update({"attention_hidden_size": 2 * hidden, "attention_head_dim": 2 * hidden // heads})
+    up.update({"conv_dim": hidden, "conv_dim_out": hidden, "block_dim": hidden})
+    up.update({"block_ff_dim": 128, "intermediate_size_mlp": 128})
+    up.update({"linear_num_heads": 4, "linear_head_dim": 16})
+    up.update({"index_head_dim": 16, "index_n_heads": 2, "index_topk": 8})
+    up.update({"laurel_rank": 4, "hidden_size_per_layer_input": 8})
+    up["vocab_size_per_layer_input"] = 512
+    return up
+
+
+_INDEX_LISTS = ("full_attn_idxs", "attn_layer_indices", "hybrid_layer_ids", "moe_layers")
+
+
+def _per_layer_updates(cfg: dict[str, Any], n: int, n_full: int) -> dict[str, Any]:
+    """Per-layer lists cut to the first ``n`` layers; layer-index lists keep indices below n."""
+    up: dict[str, Any] = {}
+    for key, value in cfg.items():
+        if key in _INDEX_LISTS and isinstance(value, list):
+            up[key] = [i for i in value if isinstance(i, int) and i < n]
+        elif isinstance(value, list) and len(value) == n_full and n_full > 1:
+            cut = value[:n]
+            up[key] = [128] * n if key == "intermediate_size" else cut
+        elif key == "hybrid_override_pattern" and isinstance(value, str):
+            up[key] = value[:n]
+    return up
 
 
 def _kind_of(layer_type: str) -> str:
@@ -161,9 +261,7 @@ def _family_updates(cfg: dict[str, Any], n: int, narrow: bool) -> dict[str, Any]
         up["q_lora_rank"] = 16
     up.update({"linear_num_key_heads": 2, "linear_num_value_heads": 4})
     up.update({"linear_key_head_dim": 16, "linear_value_head_dim": 16})
-    up.update({"mamba_d_state": 8, "mamba_dt_rank": 8, "query_pre_attn_scalar": 16})
-    if isinstance(cfg.get("layer_types"), list):
-        up["layer_types"] = cfg["layer_types"][:n]
+    up.update({"mamba_dt_rank": 8, "query_pre_attn_scalar": 16})
     if isinstance(cfg.get("mlp_only_layers"), list):
         up["mlp_only_layers"] = [i for i in cfg["mlp_only_layers"] if i < n]
     if cfg.get("use_sliding_window"):
@@ -183,10 +281,11 @@ def torch_dtype(dtype: str) -> Any:
 def build_model(config: dict[str, Any], dtype: str) -> Any:
     """A random-weight causal LM of ``config`` (a text config dict with model_type)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    fields = {k: v for k, v in config.items() if k != "model_type"}
-    hf_config = AutoConfig.for_model(config["model_type"], **fields)
+    from pdx.kv.hfconfig import build_hf_config
+
+    hf_config, _ = build_hf_config(config)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, _TORCH_DTYPES[dtype]))
     return model.eval()
@@ -241,17 +340,33 @@ def quiet_transformers() -> None:
     logging.set_verbosity_error()
 
 
-def cache_tensors(layer: Any) -> dict[str, list[Any]]:
-    """The tensors one cache layer holds, by category: kv, conv, recurrent."""
+def cache_tensors(layer: Any, extra_state: Any = None) -> dict[str, list[Any]]:
+    """The tensors one cache layer holds, by category: kv, conv, recurrent.
+
+    ``kv`` holds every tensor that grows with the sequence (keys, values, indexer keys);
+    ``extra_state`` is a state the cache object keeps outside its layers (MiniMax's
+    lightning-attention state).
+    """
+    named = named_tensors(layer, extra_state)
     out: dict[str, list[Any]] = {"kv": [], "conv": [], "recurrent": []}
-    for name in ("keys", "values"):
+    for name, tensor in named:
+        out[name if name in ("conv", "recurrent") else "kv"].append(tensor)
+    return out
+
+
+def named_tensors(layer: Any, extra_state: Any = None) -> list[tuple[str, Any]]:
+    """``(name, tensor)`` for every tensor a cache layer holds, in a fixed order."""
+    out: list[tuple[str, Any]] = []
+    for name in ("keys", "values", "indexer_keys"):
         tensor = getattr(layer, name, None)
-        if tensor is not None and hasattr(tensor, "numel"):
-            out["kv"].append(tensor)
+        if tensor is not None and hasattr(tensor, "numel") and tensor.numel():
+            out.append((name, tensor))
     for name, cat in (("conv_states", "conv"), ("recurrent_states", "recurrent")):
         states = getattr(layer, name, None)
         if isinstance(states, dict):
-            out[cat].extend(t for t in states.values() if t is not None)
+            out.extend((cat, t) for t in states.values() if t is not None)
+    if extra_state is not None and hasattr(extra_state, "numel"):
+        out.append(("recurrent", extra_state))
     return out
 
 
@@ -259,25 +374,63 @@ def _nbytes(tensors: list[Any]) -> int:
     return sum(int(t.numel()) * int(t.element_size()) for t in tensors)
 
 
-def _dtype(tensors: list[Any]) -> str | None:
-    return str(tensors[0].dtype).removeprefix("torch.") if tensors else None
+_CATEGORY = {"conv": "conv", "recurrent": "recurrent"}
 
 
-def count_layer(layer: Any, spec: LayerSpec, seq: int) -> LayerCount:
-    """Bytes one cache layer holds, with the analytic bytes at the dtypes it actually holds."""
-    parts = cache_tensors(layer)
+def _torch_name(tensor: Any) -> str:
+    return str(tensor.dtype).removeprefix("torch.")
+
+
+def _dtype(tensor: Any) -> str:
+    name = str(tensor.dtype).removeprefix("torch.")
+    return _PDX_DTYPE.get(name, name)
+
+
+_PDX_DTYPE = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
+
+
+def _tensor_counts(named: list[tuple[str, Any]], spec: LayerSpec, seq: int) -> list[TensorCount]:
+    kept = spec.tokens_kept(seq)
+    expected: list[tuple[str, list[int], str, int]] = [
+        (t.name, [kept, t.elems], t.dtype, kept * t.bytes_per_token) for t in spec.tokens
+    ]
+    expected += [(s.name, list(s.shape), s.dtype, s.nbytes) for s in spec.states]
+    counts = []
+    for name, tensor in named:
+        match = next((e for e in expected if e[0] == name), None)
+        if match is not None:
+            expected.remove(match)
+        shape = _shape_of(name, tensor)
+        counts.append(
+            TensorCount(
+                name=name,
+                shape=shape,
+                dtype=_dtype(tensor),
+                nbytes=int(tensor.numel()) * int(tensor.element_size()),
+                analytic_shape=match[1] if match else [],
+                analytic_dtype=match[2] if match else "-",
+                analytic_bytes=match[3] if match else 0,
+            )
+        )
+    counts += [TensorCount(n, [], "-", 0, shp, dt, nb) for n, shp, dt, nb in expected]
+    return counts
+
+
+def _shape_of(name: str, tensor: Any) -> list[int]:
+    """States: the shape without the batch; growing tensors: [tokens, elements per token]."""
+    dims = [int(d) for d in tensor.shape]
+    if name in ("conv", "recurrent"):
+        return dims[1:]
+    tokens = dims[-2] if len(dims) >= 2 else 0
+    return [tokens, int(tensor.numel()) // max(tokens, 1)]
+
+
+def count_layer(layer: Any, spec: LayerSpec, seq: int, extra_state: Any = None) -> LayerCount:
+    """Bytes one cache layer holds, tensor by tensor, against the analytic layer."""
+    named = named_tensors(layer, extra_state)
+    parts = cache_tensors(layer, extra_state)
     kv_t, conv_t, rec_t = parts["kv"], parts["conv"], parts["recurrent"]
-    dtypes = {"kv": _dtype(kv_t), "conv": _dtype(conv_t), "recurrent": _dtype(rec_t)}
-
-    def elem(cat: str, fallback: int) -> int:
-        name = dtypes[cat]
-        return _ELEM.get(name, fallback) if name else fallback
-
-    analytic = (
-        spec.tokens_kept(seq) * spec.kv_elems_per_token * elem("kv", spec.kv_elem_bytes)
-        + spec.conv_elems * elem("conv", spec.state_elem_bytes)
-        + spec.recurrent_elems * elem("recurrent", spec.state_elem_bytes)
-    )
+    tensors = _tensor_counts(named, spec, seq)
     tokens = int(kv_t[0].shape[-2]) if kv_t and kv_t[0].dim() >= 2 else 0
     return LayerCount(
         index=spec.index,
@@ -287,8 +440,9 @@ def count_layer(layer: Any, spec: LayerSpec, seq: int) -> LayerCount:
         kv_bytes=_nbytes(kv_t),
         conv_bytes=_nbytes(conv_t),
         recurrent_bytes=_nbytes(rec_t),
-        dtypes=sorted({f"{k}:{v}" for k, v in dtypes.items() if v}),
-        analytic_bytes=analytic,
+        dtypes=sorted({f"{_CATEGORY.get(n, 'kv')}:{_torch_name(t)}" for n, t in named}),
+        analytic_bytes=spec.bytes_for(seq),
+        tensors=tensors,
     )
 
 
@@ -299,7 +453,25 @@ def count_cache(cache: Any, spec: KVSpec, seq: int) -> list[LayerCount]:
         raise MeasurementError(
             f"the cache has {len(layers)} layers but the config describes {len(spec.layers)}"
         )
-    return [count_layer(layer, ls, seq) for layer, ls in zip(layers, spec.layers, strict=True)]
+    extra = list(getattr(cache, "linear_cache", []) or [])
+    extra += [None] * (len(layers) - len(extra))
+    return [
+        count_layer(layer, ls, seq, state if hasattr(state, "numel") else None)
+        for layer, ls, state in zip(layers, spec.layers, extra, strict=True)
+    ]
+
+
+def mismatches(layers: list[LayerCount]) -> list[str]:
+    """One line per tensor whose bytes, dtype or shape differ from the analytic figure."""
+    out = []
+    for la in layers:
+        for t in la.tensors:
+            if not t.match:
+                out.append(
+                    f"layer {la.index} {t.name}: cache {t.dtype} {t.shape} {t.nbytes:,} B, "
+                    f"analytic {t.analytic_dtype} {t.analytic_shape} {t.analytic_bytes:,} B"
+                )
+    return out
 
 
 def measure_empirical(
@@ -311,30 +483,34 @@ def measure_empirical(
     state_dtype: str = "auto",
     model_dir: Path | None = None,
 ) -> EmpiricalResult:
-    """Prefill ``seq`` tokens through the model code; compare its cache with the analytic spec."""
+    """Prefill ``seq`` tokens through the model code; compare its cache with the analytic spec.
+
+    The analytic side is the transformers engine's layout at the dtype the model ran in, so
+    every tensor must agree to the byte; ``state_dtype`` only adds a note when it differs.
+    """
     quiet_transformers()
     run_dtype = dtype if dtype in _TORCH_DTYPES else "bf16"
     scaled: dict[str, list[Any]] = {}
+    text, model_type = text_config(config)
     if model_dir is not None:
-        run_cfg = text_config(config)[0]
+        run_cfg = {**text, "model_type": model_type}
         model = load_checkpoint(model_dir, run_dtype)
         how = f"checkpoint weights from {model_dir}"
     elif fits_as_is(config):
-        run_cfg = dict(text_config(config)[0])
-        run_cfg["model_type"] = text_config(config)[1]
+        run_cfg = {**text, "model_type": model_type}
         model = build_model(run_cfg, run_dtype)
         how = "random-weight model of exactly this config (small enough to run as is)"
     else:
         run_cfg, scaled = tiny_config(config)
         model = build_model(run_cfg, run_dtype)
         how = "tiny random-weight model of the same family and layer pattern (scaled down)"
-    spec = build_spec(run_cfg, name=name, dtype=run_dtype, state_dtype=state_dtype)
+    spec = build_spec(run_cfg, name=name, dtype=run_dtype, allow_torch=True)
     with torch_threads(1):
         cache, _ = prefill(model, seq)
     layers = count_cache(cache, spec, seq)
     empirical = sum(la.bytes for la in layers)
     analytic = sum(la.analytic_bytes for la in layers)
-    notes = _dtype_notes(layers, spec, dtype, run_dtype)
+    notes = _dtype_notes(layers, dtype, run_dtype, state_dtype)
     return EmpiricalResult(
         seq=seq,
         model_run=how,
@@ -344,23 +520,30 @@ def measure_empirical(
         layers=layers,
         empirical_bytes=empirical,
         analytic_bytes=analytic,
-        match=empirical == analytic and all(la.bytes == la.analytic_bytes for la in layers),
+        match=empirical == analytic and all(la.match for la in layers),
         run_spec=spec,
         notes=notes,
     )
 
 
-def _dtype_notes(layers: list[LayerCount], spec: KVSpec, dtype: str, run_dtype: str) -> list[str]:
+def _dtype_notes(
+    layers: list[LayerCount], dtype: str, run_dtype: str, state_dtype: str
+) -> list[str]:
     notes = []
     if dtype != run_dtype:
         notes.append(f"{dtype} KV cannot run through the model code; ran in {run_dtype}")
-    seen = sorted({d for la in layers for d in la.dtypes})
-    if any(d.startswith("recurrent:float32") for d in seen) and spec.state_dtype != "fp32":
+    seen = sorted({d for la in layers for d in la.dtypes if d.split(":")[0] in _STATE_NAMES})
+    if seen:
         notes.append(
-            "the transformers PyTorch path keeps recurrent states in float32; analytic bytes use "
-            f"the dtypes the cache holds ({', '.join(seen)}); --state-dtype fp32 sizes that"
+            f"state tensors as the transformers cache holds them ({', '.join(seen)}), compared "
+            "tensor by tensor with the analytic transformers layout"
         )
+        if state_dtype != "auto":
+            notes.append(f"--state-dtype {state_dtype} applies to the analytic sizing only")
     return notes
+
+
+_STATE_NAMES = ("conv", "recurrent")
 
 
 def empirical_row(result: EmpiricalResult) -> dict[str, Any]:
@@ -388,8 +571,23 @@ def empirical_row(result: EmpiricalResult) -> dict[str, Any]:
                 "dtypes": la.dtypes,
                 "empirical_bytes": la.bytes,
                 "analytic_bytes": la.analytic_bytes,
+                "match": la.match,
+                "tensors": [
+                    {
+                        "name": t.name,
+                        "shape": t.shape,
+                        "dtype": t.dtype,
+                        "bytes": t.nbytes,
+                        "analytic_shape": t.analytic_shape,
+                        "analytic_dtype": t.analytic_dtype,
+                        "analytic_bytes": t.analytic_bytes,
+                        "match": t.match,
+                    }
+                    for t in la.tensors
+                ],
             }
             for la in result.layers
         ],
+        "mismatches": mismatches(result.layers),
         "notes": result.notes,
     }

@@ -1,36 +1,117 @@
-"""Classify every decoder layer of a config and size what its cache holds.
+"""Classify every decoder layer of a config and size what its cache holds, by layer kind.
 
-Written by hand rather than through ``transformers`` configuration classes so that the
-analytic path never imports torch; ``tests/kv/test_families.py`` checks the layer patterns
-against the transformers configuration classes and the sizes against real forward passes.
+The config arrives as transformers' configuration class filled it in (:mod:`pdx.kv.hfconfig`:
+class defaults, derived ``layer_types``, nested text configs); model types transformers does
+not know arrive as their raw dict. Each layer type is sized by one rule, whatever the model's
+name: attention (full, sliding, chunked), MLA (any config with ``kv_lora_rank``), MLA with a
+sparse-attention indexer, attention + SSM in one layer, and the fixed-state mixers below
+(short convolution, Mamba-1, Mamba-2, Gated DeltaNet, Kimi Delta Attention, lightning
+attention), each read from its own config fields. ``tests/kv/test_kv_families.py`` checks the
+rules against real forward passes, tensor by tensor.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
 
 from pdx.errors import UnsupportedModelError
-from pdx.kv.layers import LayerSpec
+from pdx.kv.hfconfig import ResolvedConfig, raw_text_config
+from pdx.kv.layers import LayerKind, LayerSpec, StateTensor, TokenTensor
 
-#: model_type values pdx sizes exactly (``gemma3`` multimodal configs use their text model).
-DENSE_ATTENTION = ("llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe")
-GEMMA = ("gemma", "gemma2", "gemma3_text")
-MLA = ("deepseek_v2", "deepseek_v3")
-HYBRID = ("qwen3_next", "jamba")
-SUPPORTED = (*DENSE_ATTENTION, *GEMMA, "gpt_oss", *MLA, *HYBRID)
+Engine = Literal["transformers", "vllm"]
+ENGINES: tuple[str, ...] = ("transformers", "vllm")
 
 _MISSING = object()
-_KIND = {
-    "full_attention": "full",
-    "attention": "full",
-    "sliding_attention": "sliding",
-    "chunked_attention": "sliding",
-    "linear_attention": "linear",
-    "mamba": "linear",
-    "mla": "mla",
-    "moe": "none",
-    "mlp": "none",
-}
+_NO_CACHE = ("moe", "mlp", "dummy")
+_ATTENTION = ("full_attention", "attention")
+_SLIDING = ("sliding_attention", "chunked_attention")
+_STATEFUL = ("linear_attention", "mamba", "mamba2", "conv", "hybrid")
+KNOWN_LAYER_TYPES = (*_ATTENTION, *_SLIDING, "indexed_attention", *_STATEFUL, *_NO_CACHE)
+#: Mixers whose recurrent state transformers' PyTorch path keeps in the model dtype.
+_RECURRENT_IN_MODEL_DTYPE = ("lightning",)
+_HF_DTYPES = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
+
+
+@dataclass(frozen=True)
+class Dtypes:
+    """Element types of every tensor kind: KV, activations (conv, indexer), recurrent states.
+
+    ``state`` is ``auto`` (each engine's own choice per mixer) or an explicit override of the
+    recurrent / SSM states.
+    """
+
+    kv: str
+    model: str
+    state: str = "auto"
+    engine: str = "transformers"
+
+    def recurrent(self, mixer: str, cfg: Fields) -> str:
+        """The dtype ``engine`` keeps this mixer's recurrent / SSM state in."""
+        if self.state != "auto":
+            return self.state
+        if self.engine == "transformers":
+            return self.model if mixer in _RECURRENT_IN_MODEL_DTYPE else "fp32"
+        if mixer == "kda":
+            return "fp32"  # vLLM keeps the KDA recurrent state in float32 whatever the setting
+        declared = cfg.optional("mamba_ssm_cache_dtype")
+        return _HF_DTYPES.get(str(declared), self.model) if declared else self.model
+
+
+@dataclass
+class Fields:
+    """Reads config fields for the rules; collects every missing or bad field to name at once."""
+
+    cfg: dict[str, Any]
+    model_type: str
+    resolved: ResolvedConfig | None = None
+    problems: list[str] = field(default_factory=list)
+    read: set[str] = field(default_factory=set)
+
+    def optional(self, *keys: str) -> Any:
+        """The first of ``keys`` set (not null), else None."""
+        for key in keys:
+            self.read.add(key)
+            if self.cfg.get(key) is not None:
+                return self.cfg[key]
+        return None
+
+    def get(self, *keys: str, default: Any = _MISSING) -> Any:
+        """A field the sizing needs (aliases in order); a missing one is recorded."""
+        value = self.optional(*keys)
+        if value is not None:
+            return value
+        if default is not _MISSING:
+            return default
+        name = " / ".join(repr(k) for k in keys)
+        problem = f"missing {name}"
+        if problem not in self.problems:
+            self.problems.append(problem)
+        return None
+
+    def int(self, *keys: str, default: Any = _MISSING) -> int:
+        """A positive integer field (see :meth:`get`); placeholder 1 while problems collect."""
+        value = self.get(*keys, default=default)
+        if value is None:
+            return 1
+        if isinstance(value, float) and value.is_integer():
+            value = int(value)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            self.problems.append(f"field {keys[0]!r} is {value!r}, expected a positive integer")
+            return 1
+        return value
+
+    def check(self) -> None:
+        """Raise one error naming every problem found (and needed fields transformers dropped)."""
+        dropped = self.resolved.dropped if self.resolved else {}
+        for key in sorted(self.read & set(dropped)):
+            self.problems.append(f"field {key!r} was rejected by transformers: {dropped[key]}")
+        if self.problems:
+            raise UnsupportedModelError(
+                f"model_type {self.model_type!r}: cannot size its KV cache: "
+                + "; ".join(self.problems)
+            )
 
 
 def need(cfg: dict[str, Any], model_type: str, key: str, default: Any = _MISSING) -> Any:
@@ -55,157 +136,317 @@ def need_int(cfg: dict[str, Any], model_type: str, key: str, default: Any = _MIS
 
 
 def text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
-    """The decoder config and its model_type (multimodal wrappers hand over their text model)."""
-    model_type = config.get("model_type")
-    if not isinstance(model_type, str) or not model_type:
-        raise UnsupportedModelError(
-            "config has no 'model_type'; is this a Hugging Face config.json?"
-        )
-    inner = config.get("text_config")
-    if isinstance(inner, dict) and "num_hidden_layers" not in config:
-        inner_type = inner.get("model_type") or f"{model_type}_text"
-        return inner, str(inner_type)
-    if model_type not in SUPPORTED:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}"
-        )
-    return config, model_type
+    """The decoder part of a raw config and its model_type (multimodal wrappers hand over)."""
+    return raw_text_config(config)
+
+
+# --- which layer is which -------------------------------------------------------------------
 
 
 def layer_types(cfg: dict[str, Any], model_type: str) -> list[str]:
-    """Per-layer attention type, following each model's own rules when ``layer_types`` is absent."""
-    if model_type not in SUPPORTED:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r} is not supported; supported: {', '.join(SUPPORTED)}"
-        )
-    n = need_int(cfg, model_type, "num_hidden_layers")
-    if model_type in MLA:
-        return ["mla"] * n
-    explicit = cfg.get("layer_types")
-    if explicit is not None and model_type not in ("mistral", "jamba"):
-        return _check_explicit(explicit, n, model_type)
-    return _derived_layer_types(cfg, model_type, n)
+    """Per-layer type names, as the transformers cache derives them (see module docstring)."""
+    f = Fields(cfg, model_type)
+    types = _layer_types(f)
+    f.check()
+    return types
 
 
-def _check_explicit(explicit: Any, n: int, model_type: str) -> list[str]:
+def _layer_types(f: Fields) -> list[str]:
+    n = f.int("num_hidden_layers")
+    explicit = f.optional("layer_types")
+    known = explicit is not None
+    types = _checked_types(f, explicit, n) if known else _inferred_types(f, n)
+    return _apply_kv_sharing(f, types)
+
+
+def _checked_types(f: Fields, explicit: Any, n: int) -> list[str]:
     if not isinstance(explicit, list) or len(explicit) != n:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r}: 'layer_types' must list {n} entries "
-            f"(num_hidden_layers), got {explicit!r:.80}"
+        f.problems.append(
+            f"'layer_types' must list {n} entries (num_hidden_layers), got {explicit!r:.80}"
         )
-    for name in explicit:
-        if name not in _KIND:
-            raise UnsupportedModelError(
-                f"model_type {model_type!r}: layer type {name!r} is not understood "
-                f"(known: {', '.join(_KIND)})"
-            )
-    return list(explicit)
+        return ["full_attention"] * n
+    unknown = sorted({str(t) for t in explicit} - set(KNOWN_LAYER_TYPES))
+    if unknown:
+        f.problems.append(
+            f"layer type(s) {', '.join(map(repr, unknown))} have no sizing rule "
+            f"(known: {', '.join(KNOWN_LAYER_TYPES)})"
+        )
+        return ["full_attention"] * n
+    return [str(t) for t in explicit]
 
 
-def _derived_layer_types(cfg: dict[str, Any], model_type: str, n: int) -> list[str]:
-    if model_type == "jamba":
-        period = need_int(cfg, model_type, "attn_layer_period")
-        offset = need(cfg, model_type, "attn_layer_offset")
-        return ["attention" if i % period == offset else "mamba" for i in range(n)]
-    if model_type == "qwen3_next":
-        interval = need_int(cfg, model_type, "full_attention_interval")
-        return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
-    if model_type == "gemma3_text":
-        pattern = need_int(cfg, model_type, "sliding_window_pattern")
-        return ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    if model_type in ("gemma2", "gpt_oss"):
-        return ["sliding_attention" if (i + 1) % 2 else "full_attention" for i in range(n)]
-    if model_type in ("mistral", "mixtral"):
-        if "sliding_window" not in cfg:  # null means "no window"; absent is not a choice
-            need(cfg, model_type, "sliding_window")
-        return ["full_attention" if cfg.get("sliding_window") is None else "sliding_attention"] * n
-    if model_type.startswith("qwen") and cfg.get("use_sliding_window"):
-        start = need_int(cfg, model_type, "max_window_layers")
-        need_int(cfg, model_type, "sliding_window")
-        return ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
+def _inferred_types(f: Fields, n: int) -> list[str]:
+    """No ``layer_types``: transformers' own inference (a window slides every layer)."""
+    if f.optional("use_sliding_window") is False:
+        return ["full_attention"] * n
+    if f.optional("sliding_window") is not None:
+        start = f.optional("max_window_layers")
+        if f.optional("use_sliding_window") and isinstance(start, int):
+            return ["sliding_attention" if i >= start else "full_attention" for i in range(n)]
+        return ["sliding_attention"] * n
+    if f.optional("attention_chunk_size") is not None:
+        return ["chunked_attention"] * n
     return ["full_attention"] * n
 
 
-def classify_layers(
-    cfg: dict[str, Any], model_type: str, kv_bytes: int, state_bytes: int
-) -> tuple[list[LayerSpec], list[str]]:
-    """Every layer's kind and exact sizes at the given element sizes, plus notes for the user."""
+def _apply_kv_sharing(f: Fields, types: list[str]) -> list[str]:
+    modes = f.optional("kv_sharing_modes")
+    if isinstance(modes, list) and len(modes) == len(types):
+        return ["dummy" if m == "reuse" else t for t, m in zip(types, modes, strict=True)]
+    shared = f.optional("num_kv_shared_layers")
+    if isinstance(shared, int) and 0 < shared < len(types):
+        return types[: len(types) - shared] + ["dummy"] * shared
+    return types
+
+
+# --- sizing rules, one per layer kind --------------------------------------------------------
+
+
+def classify_layers(resolved: ResolvedConfig, dtypes: Dtypes) -> tuple[list[LayerSpec], list[str]]:
+    """Every layer's kind and exact tensors at the given dtypes, plus notes for the user."""
+    f = Fields(resolved.text, resolved.model_type, resolved)
+    types = _layer_types(f)
+    layers = [_size_layer(f, i, name, dtypes) for i, name in enumerate(types)]
+    f.check()
+    return layers, _notes(f, layers, types, dtypes)
+
+
+def _size_layer(f: Fields, index: int, name: str, dt: Dtypes) -> LayerSpec:
+    if name in _NO_CACHE:
+        why = "shares the KV of an earlier layer" if name == "dummy" else "no attention"
+        return LayerSpec(index, "none", mixer="none", detail=f"no cache ({why})")
+    if name in _ATTENTION:
+        return _attention_layer(f, index, dt)
+    if name == "indexed_attention":
+        return _indexed_layer(f, index, dt)
+    if name in _SLIDING:
+        return _sliding_layer(f, index, name, dt)
+    mixer, states, detail = _state_mixer(f, name, dt)
+    if name != "hybrid":
+        return LayerSpec(index, "linear", states=states, mixer=mixer, detail=detail)
+    tokens, attn = _kv_tokens(f, dt)
+    return LayerSpec(
+        index, "hybrid", tokens=tokens, states=states, mixer=mixer, detail=f"{attn} + {detail}"
+    )
+
+
+def attention_head_dim(f: Fields) -> int:
+    """``head_dim`` when set, else ``attention_head_dim``, else hidden / heads."""
+    explicit = f.optional("head_dim", "attention_head_dim")
+    if explicit is not None:
+        return f.int("head_dim", "attention_head_dim")
+    return f.int("hidden_size") // f.int("num_attention_heads")
+
+
+def _kv_tokens(f: Fields, dt: Dtypes) -> tuple[tuple[TokenTensor, ...], str]:
+    heads = f.int("num_key_value_heads", default=f.get("num_attention_heads"))
+    dim = attention_head_dim(f)
+    keys = TokenTensor("keys", heads * dim, dt.kv)
+    return (keys, TokenTensor("values", heads * dim, dt.kv)), f"K+V {heads}x{dim}"
+
+
+def _attention_layer(f: Fields, index: int, dt: Dtypes) -> LayerSpec:
+    if f.optional("kv_lora_rank") is not None:
+        tokens, detail = _mla_tokens(f, dt)
+        return LayerSpec(index, "mla", tokens=tokens, mixer="mla", detail=detail)
+    tokens, detail = _kv_tokens(f, dt)
+    return LayerSpec(index, "full", tokens=tokens, detail=detail)
+
+
+def _mla_tokens(f: Fields, dt: Dtypes) -> tuple[tuple[TokenTensor, ...], str]:
+    """One compressed latent per token: ``kv_lora_rank`` "keys" + ``qk_rope_head_dim`` "values"."""
+    rank, rope = f.int("kv_lora_rank"), f.int("qk_rope_head_dim")
+    tokens = (TokenTensor("keys", rank, dt.kv), TokenTensor("values", rope, dt.kv))
+    return tokens, f"latent {rank}+{rope}"
+
+
+def _indexed_layer(f: Fields, index: int, dt: Dtypes) -> LayerSpec:
+    tokens, detail = _mla_tokens(f, dt)
+    dim = f.int("index_head_dim")
+    indexer = TokenTensor("indexer_keys", dim, dt.model)
+    return LayerSpec(
+        index, "mla", tokens=(*tokens, indexer), mixer="mla+indexer",
+        detail=f"{detail} + indexer key {dim}",
+    )  # fmt: skip
+
+
+def _sliding_layer(f: Fields, index: int, name: str, dt: Dtypes) -> LayerSpec:
+    tokens, detail = _kv_tokens(f, dt)
+    key = "attention_chunk_size" if name == "chunked_attention" else "sliding_window"
+    window = f.int(key)
+    what = "chunk" if name == "chunked_attention" else "window"
+    return LayerSpec(
+        index, "sliding", tokens=tokens, window_tokens=window - 1, window=window,
+        mixer="chunked" if name == "chunked_attention" else "sliding",
+        detail=f"{detail}, {what} {window}",
+    )  # fmt: skip
+
+
+#: (mixer name, test on the config, sizing rule); the first whose test passes sizes the layer.
+_StateRule = Callable[["Fields", "Dtypes"], tuple[tuple[StateTensor, ...], str]]
+
+
+def _state_mixer(f: Fields, name: str, dt: Dtypes) -> tuple[str, tuple[StateTensor, ...], str]:
+    for mixer, applies, rule in _MIXERS:
+        if applies(f, name):
+            states, detail = rule(f, dt)
+            return mixer, states, detail
+    f.problems.append(
+        f"layer type {name!r}: no sizing rule for this model's state mixer "
+        "(known: short conv, Mamba-1, Mamba-2, Gated DeltaNet, KDA, lightning attention)"
+    )
+    return "unknown", (), "unknown mixer"
+
+
+def _short_conv(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
+    dim, kernel = f.int("conv_dim", "hidden_size"), f.int("conv_L_cache")
+    return (StateTensor("conv", (dim, kernel), dt.model),), f"short conv {dim}x{kernel}"
+
+
+def _gated_deltanet(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
+    nk, nv = f.int("linear_num_key_heads"), f.int("linear_num_value_heads")
+    dk, dv = f.int("linear_key_head_dim"), f.int("linear_value_head_dim")
+    kernel = f.int("linear_conv_kernel_dim")
+    conv_dim = 2 * nk * dk + nv * dv
+    states = (
+        StateTensor("conv", (conv_dim, kernel), dt.model),
+        StateTensor("recurrent", (nv, dk, dv), dt.recurrent("gated_deltanet", f)),
+    )
+    return states, f"GatedDeltaNet conv {conv_dim}x{kernel} + state {nv}x{dk}x{dv}"
+
+
+def _kda(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
+    heads, dim = f.int("linear_num_heads"), f.int("linear_head_dim")
+    kernel = f.int("linear_conv_kernel_dim", "short_conv_kernel_size")
+    conv_dim = 3 * heads * dim  # q, k and v each pass a short convolution
+    states = (
+        StateTensor("conv", (conv_dim, kernel), dt.model),
+        StateTensor("recurrent", (heads, dim, dim), dt.recurrent("kda", f)),
+    )
+    return states, f"KDA conv {conv_dim}x{kernel} + state {heads}x{dim}x{dim}"
+
+
+def _lightning(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
+    heads, dim = f.int("num_attention_heads"), attention_head_dim(f)
+    state = StateTensor("recurrent", (heads, dim, dim), dt.recurrent("lightning", f))
+    return (state,), f"lightning attention state {heads}x{dim}x{dim}"
+
+
+def _mamba2_heads(f: Fields) -> Any:
+    return f.optional("mamba_n_heads", "mamba_num_heads", "n_mamba_heads") or (
+        f.optional("num_heads") if f.model_type == "mamba2" else None
+    )
+
+
+def _mamba2(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
+    heads = f.int("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", default=_mamba2_heads(f))
+    if f.model_type == "mamba2":
+        head = f.int("head_dim")
+    else:
+        head = f.int("mamba_d_head", "mamba_head_dim", "mamba_headdim")
+    d_state = f.int("mamba_d_state", "ssm_state_size", "state_size")
+    groups = f.int("mamba_n_groups", "n_groups", "mamba_ngroups", "mamba_num_groups")
+    kernel = f.int("mamba_d_conv", "conv_kernel")
+    conv_dim = heads * head + 2 * groups * d_state
+    states = (
+        StateTensor("conv", (conv_dim, kernel), dt.model),
+        StateTensor("recurrent", (heads, head, d_state), dt.recurrent("mamba2", f)),
+    )
+    return states, f"Mamba-2 conv {conv_dim}x{kernel} + ssm {heads}x{head}x{d_state}"
+
+
+def _mamba1(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
+    expand = f.optional("mamba_expand", "expand")
+    hidden = f.int("hidden_size") if expand is not None else 0
+    inner = int(expand * hidden) if expand is not None else f.int("intermediate_size")
+    d_state = f.int("mamba_d_state", "state_size", "ssm_state_size")
+    kernel = f.int("mamba_d_conv", "conv_kernel")
+    states = (
+        StateTensor("conv", (inner, kernel), dt.model),
+        StateTensor("recurrent", (inner, d_state), dt.recurrent("mamba1", f)),
+    )
+    return states, f"Mamba conv {inner}x{kernel} + ssm {inner}x{d_state}"
+
+
+_MIXERS: tuple[tuple[str, Callable[[Fields, str], bool], _StateRule], ...] = (
+    ("short_conv", lambda f, n: n == "conv" or f.optional("conv_L_cache") is not None, _short_conv),
+    ("gated_deltanet", lambda f, n: f.optional("linear_num_value_heads") is not None,
+     _gated_deltanet),
+    ("kda", lambda f, n: f.optional("linear_num_heads") is not None, _kda),
+    ("lightning", lambda f, n: f.optional("linear_attn_alpha_factor") is not None, _lightning),
+    ("mamba2", lambda f, n: _mamba2_heads(f) is not None, _mamba2),
+    ("mamba1", lambda f, n: f.optional("mamba_d_state", "state_size") is not None, _mamba1),
+)  # fmt: skip
+
+
+def _notes(f: Fields, layers: list[LayerSpec], types: list[str], dt: Dtypes) -> list[str]:
     notes: list[str] = []
-    layers = []
-    for index, name in enumerate(layer_types(cfg, model_type)):
-        kind = _KIND[name]
-        if kind in ("full", "sliding"):
-            layers.append(_attention_layer(cfg, model_type, index, kind, kv_bytes))
-        elif kind == "mla":
-            layers.append(_mla_layer(cfg, model_type, index, kv_bytes))
-        elif kind == "linear":
-            layers.append(_linear_layer(cfg, model_type, index, state_bytes))
-        else:
-            layers.append(LayerSpec(index, "none", 0, kv_bytes, detail="no cache"))
-    if any(la.kind == "sliding" for la in layers):
+    if any(la.mixer == "sliding" for la in layers):
         notes.append(
-            "sliding layers keep sliding_window - 1 tokens (what the transformers cache keeps; "
-            "the next token's own K/V completes the window)"
+            "sliding layers keep sliding_window - 1 tokens in transformers (the next token's "
+            "own K/V completes the window)"
         )
-    if model_type in MLA:
+    if any(la.mixer == "chunked" for la in layers):
+        notes.append(
+            "chunked-attention layers are kept as transformers keeps them: the last "
+            "attention_chunk_size - 1 tokens"
+        )
+    if any(la.kind == "mla" for la in layers):
         notes.append("MLA: one latent (kv_lora_rank + qk_rope_head_dim) per token per layer")
-    return layers, notes
+    if "dummy" in types:
+        notes.append(f"{types.count('dummy')} layers reuse another layer's KV and hold none")
+    if any(la.states for la in layers) and dt.state == "auto":
+        notes.append(_state_note(layers, dt))
+    resolved = f.resolved
+    if resolved is not None:
+        notes.extend(resolved.notes)
+        defaulted = sorted(k for k in f.read if resolved.defaulted(k) and _not_derived(k, f))
+        if defaulted:
+            values = ", ".join(f"{k}={resolved.text[k]!r}" for k in defaulted)
+            notes.append(f"not in the config, taken from {resolved.library}'s defaults: {values}")
+        for key, why in sorted(resolved.dropped.items()):
+            notes.append(f"field {key!r} ignored (transformers rejects it: {why})")
+    return notes
+
+
+def _not_derived(key: str, f: Fields) -> bool:
+    """Defaults worth naming: not the layer pattern, not a head size equal to hidden / heads."""
+    if key in ("layer_types", "num_hidden_layers"):
+        return False
+    if key == "head_dim":
+        heads = f.cfg.get("num_attention_heads") or 0
+        return not heads or f.cfg.get("hidden_size", 0) // heads != f.cfg.get("head_dim")
+    return True
+
+
+def _state_note(layers: list[LayerSpec], dt: Dtypes) -> str:
+    seen = sorted({(s.name, s.dtype) for la in layers for s in la.states})
+    parts = ", ".join(f"{name} {dtype}" for name, dtype in seen)
+    return f"fixed states sized per tensor as {dt.engine} keeps them: {parts}"
+
+
+def kind_of(layer_type: str) -> LayerKind:
+    """The pdx layer kind a transformers layer-type name maps to (MLA not distinguished)."""
+    if layer_type in _NO_CACHE:
+        return "none"
+    if layer_type in _SLIDING:
+        return "sliding"
+    if layer_type == "hybrid":
+        return "hybrid"
+    if layer_type in _STATEFUL:
+        return "linear"
+    return "full"
 
 
 def head_dim(cfg: dict[str, Any], model_type: str) -> int:
     """``head_dim`` when the config sets it, else hidden_size / num_attention_heads."""
-    if cfg.get("head_dim") is not None:
-        return need_int(cfg, model_type, "head_dim")
-    hidden = need_int(cfg, model_type, "hidden_size")
-    return hidden // need_int(cfg, model_type, "num_attention_heads")
+    f = Fields(cfg, model_type)
+    dim = attention_head_dim(f)
+    f.check()
+    return dim
 
 
 def kv_heads(cfg: dict[str, Any], model_type: str) -> int:
     """``num_key_value_heads``; absent means MHA, as the model code does."""
     heads = need_int(cfg, model_type, "num_attention_heads")
     return need_int(cfg, model_type, "num_key_value_heads", heads)
-
-
-def _attention_layer(
-    cfg: dict[str, Any], model_type: str, index: int, kind: str, kv_bytes: int
-) -> LayerSpec:
-    heads, dim = kv_heads(cfg, model_type), head_dim(cfg, model_type)
-    per_token = 2 * heads * dim
-    detail = f"K+V {heads}x{dim}"
-    if kind == "full":
-        return LayerSpec(index, "full", per_token, kv_bytes, detail=detail)
-    key = "sliding_window"
-    if cfg.get("layer_types") and cfg["layer_types"][index] == "chunked_attention":
-        key = "attention_chunk_size"
-    window = need_int(cfg, model_type, key)
-    detail = f"{detail}, window {window}"
-    return LayerSpec(index, "sliding", per_token, kv_bytes, window - 1, detail=detail)
-
-
-def _mla_layer(cfg: dict[str, Any], model_type: str, index: int, kv_bytes: int) -> LayerSpec:
-    rank = need_int(cfg, model_type, "kv_lora_rank")
-    rope = need_int(cfg, model_type, "qk_rope_head_dim")
-    detail = f"latent {rank}+{rope}"
-    return LayerSpec(index, "mla", rank + rope, kv_bytes, detail=detail)
-
-
-def _linear_layer(cfg: dict[str, Any], model_type: str, index: int, elem: int) -> LayerSpec:
-    if model_type == "qwen3_next":
-        nk = need_int(cfg, model_type, "linear_num_key_heads")
-        nv = need_int(cfg, model_type, "linear_num_value_heads")
-        dk = need_int(cfg, model_type, "linear_key_head_dim")
-        dv = need_int(cfg, model_type, "linear_value_head_dim")
-        kernel = need_int(cfg, model_type, "linear_conv_kernel_dim")
-        conv, recurrent = (2 * nk * dk + nv * dv) * kernel, nv * dk * dv
-        detail = f"GatedDeltaNet conv {2 * nk * dk + nv * dv}x{kernel} + state {nv}x{dk}x{dv}"
-    elif model_type == "jamba":
-        inner = need_int(cfg, model_type, "mamba_expand") * need_int(cfg, model_type, "hidden_size")
-        kernel = need_int(cfg, model_type, "mamba_d_conv")
-        d_state = need_int(cfg, model_type, "mamba_d_state")
-        conv, recurrent = inner * kernel, inner * d_state
-        detail = f"Mamba conv {inner}x{kernel} + ssm {inner}x{d_state}"
-    else:
-        raise UnsupportedModelError(f"model_type {model_type!r}: linear-attention layers unknown")
-    return LayerSpec(
-        index, "linear", 0, 0, None, conv, recurrent, state_elem_bytes=elem, detail=detail
-    )

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdx.errors import UnsupportedModelError
 from pdx.kv.families import head_dim, kv_heads, layer_types, need, need_int
 
 
@@ -30,10 +31,12 @@ def _mixer_params(cfg: dict[str, Any], model_type: str, kind: str) -> int:
     hidden = need_int(cfg, model_type, "hidden_size")
     if kind in ("mamba", "linear_attention"):
         return _linear_mixer_params(cfg, model_type, hidden)
-    if kind == "mla":
+    if kind in ("mla", "indexed_attention") or cfg.get("kv_lora_rank") is not None:
         return _mla_params(cfg, model_type, hidden)
     if kind in ("moe", "mlp"):
         return 0
+    if kind in ("hybrid", "conv", "mamba2"):
+        raise UnsupportedModelError(f"model_type {model_type!r}: no parameter count for {kind!r}")
     heads = need_int(cfg, model_type, "num_attention_heads")
     dim = head_dim(cfg, model_type)
     q_out = heads * dim * (2 if model_type == "qwen3_next" else 1)  # gated attention output

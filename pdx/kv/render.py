@@ -38,7 +38,7 @@ def layers_table(report: MeasureKVReport) -> Table:
     for col in ("kind", "layers", "B/token", "kept", "state B", "shape (each layer)"):
         table.add_column(col, justify="left" if col in ("kind", "shape (each layer)") else "right")
     for row, count in _layer_groups(report.layers):
-        kept = "all" if row["kind"] in ("full", "mla") else (row["window_tokens"] or "-")
+        kept = "all" if row["kind"] in ("full", "mla", "hybrid") else (row["window_tokens"] or "-")
         table.add_row(
             row["kind"],
             str(count),
@@ -157,11 +157,14 @@ def _ms(seconds: float | None) -> str:
 
 def render_report(console: Console, report: MeasureKVReport) -> None:
     """Print the whole report for a human."""
+    states = ", ".join(f"{k} {v}" for k, v in report.state_dtypes.items()) or report.state_dtype
     console.print(
         f"[bold]{report.model}[/bold] ({report.model_type}) · KV {report.dtype} · state "
-        f"{report.state_dtype} · params {_billions(report.params_total)} total, "
+        f"{states} · params {_billions(report.params_total)} total, "
         f"{_billions(report.params_active)} active per token"
     )
+    engine = report.engine + (f", block {report.block_size} tokens" if report.block_size else "")
+    console.print(f"engine {engine}: {report.engine_rules}")
     console.print(layers_table(report))
     console.print(
         f"kv_bytes_per_token {report.kv_bytes_per_token:,} (full + MLA layers) · sliding "
@@ -176,6 +179,8 @@ def render_report(console: Console, report: MeasureKVReport) -> None:
             console.print(f"  ran: {row['model_run']}" + (f"; scaled: {scaled}" if scaled else ""))
             for note in row["notes"]:
                 console.print(f"  note: {note}")
+            for line in row.get("mismatches", []):
+                console.print(f"  [bold red]MISMATCH[/bold red] {line}")
     if report.codecs:
         console.print(codecs_table(report))
         s = report.codec_sample or {}

@@ -10,8 +10,20 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdx.kv.budget import Budget, LinkParams, compute_budget
+from pdx.kv.engines import VLLM_RULES, vllm_block_size, vllm_kv_bytes
 from pdx.kv.source import ModelSource
-from pdx.kv.spec import KVSpec, build_spec, check_seq, dtype_bytes, resolve_state_dtype
+from pdx.kv.spec import (
+    KVSpec,
+    build_spec,
+    check_engine,
+    check_seq,
+    dtype_bytes,
+    resolve_state_dtype,
+)
+
+TRANSFORMERS_RULES = (
+    "transformers cache (DynamicCache): every tensor as the PyTorch model code holds it"
+)
 
 DEFAULT_SEQS = (1024, 8192, 32768)
 
@@ -30,10 +42,15 @@ class MeasureOptions:
     empirical_seq: int = 64
     active_params: int | None = None
     link: LinkParams = field(default_factory=lambda: LinkParams(1.0, 100.0, 400.0))
+    engine: str = "transformers"
+    block_size: int | None = None
+    device: str = "gpu"
 
     def __post_init__(self) -> None:
         dtype_bytes(self.dtype)
         resolve_state_dtype(self.state_dtype, self.dtype)
+        check_engine(self.engine)
+        vllm_block_size(self.block_size, self.device)
         for seq in self.seqs:
             check_seq(seq)
 
@@ -53,12 +70,17 @@ class MeasureKVReport:
     params_active: int | None
     layer_counts: dict[str, int]
     layers: list[dict[str, Any]]
-    requests: list[dict[str, int]]
+    requests: list[dict[str, Any]]
     empirical: list[dict[str, Any]] | None
     codec_sample: dict[str, Any] | None
     codecs: list[dict[str, Any]]
     budget: Budget
     notes: list[str]
+    engine: str = "transformers"
+    engine_rules: str = ""
+    block_size: int | None = None
+    config_source: str | None = None
+    state_dtypes: dict[str, str] = field(default_factory=dict)
 
 
 def layer_rows(spec: KVSpec) -> list[dict[str, Any]]:
@@ -71,17 +93,35 @@ def layer_rows(spec: KVSpec) -> list[dict[str, Any]]:
             "window_tokens": la.window_tokens,
             "state_bytes": la.state_bytes,
             "detail": la.detail,
+            "mixer": la.mixer,
+            "window": la.window,
+            "tensors": [
+                {"name": t.name, "elems_per_token": t.elems, "dtype": t.dtype} for t in la.tokens
+            ],
+            "states": [
+                {"name": st.name, "shape": list(st.shape), "dtype": st.dtype, "bytes": st.nbytes}
+                for st in la.states
+            ],
         }
         for la in spec.layers
     ]
 
 
-def request_rows(spec: KVSpec, seqs: tuple[int, ...]) -> list[dict[str, int]]:
-    """Exact per-request bytes for each length, split by what holds them."""
-    rows = []
+def request_rows(
+    spec: KVSpec, seqs: tuple[int, ...], opts: MeasureOptions | None = None
+) -> list[dict[str, Any]]:
+    """Exact per-request bytes for each length, split by what holds them, for the engine."""
+    rows: list[dict[str, Any]] = []
     for seq in seqs:
         check_seq(seq)
-        growing = sum(la.bytes_for(seq) for la in spec.layers if la.kind in ("full", "mla"))
+        if spec.engine == "vllm":
+            rows.append(_vllm_row(spec, seq, opts or MeasureOptions(engine="vllm")))
+            continue
+        growing = sum(
+            la.bytes_for(seq) - la.state_bytes
+            for la in spec.layers
+            if la.tokens and la.kind != "sliding"
+        )
         sliding = sum(la.bytes_for(seq) for la in spec.layers if la.kind == "sliding")
         rows.append(
             {
@@ -93,6 +133,29 @@ def request_rows(spec: KVSpec, seqs: tuple[int, ...]) -> list[dict[str, int]]:
             }
         )
     return rows
+
+
+def _vllm_row(spec: KVSpec, seq: int, opts: MeasureOptions) -> dict[str, Any]:
+    sizing = vllm_kv_bytes(spec, seq, opts.block_size, device=opts.device)
+    return {
+        "seq": seq,
+        "kv_bytes": sizing.total_bytes,
+        "growing_bytes": sizing.growing_bytes,
+        "sliding_bytes": sizing.sliding_bytes,
+        "state_bytes": sizing.state_bytes,
+        "block_size": sizing.block_size,
+        "attention_block_size": sizing.attention_block_size,
+        "blocks": sum(la.blocks for la in sizing.layers),
+        "state_page_bytes": sizing.state_page_bytes,
+        "unpadded_state_bytes": spec.state_bytes_per_request,
+    }
+
+
+def engine_bytes(spec: KVSpec, opts: MeasureOptions) -> Any:
+    """``seq -> bytes`` the chosen engine holds for one request."""
+    if spec.engine != "vllm":
+        return spec.kv_bytes
+    return lambda seq: vllm_kv_bytes(spec, seq, opts.block_size, device=opts.device).total_bytes
 
 
 def _empirical_rows(source: ModelSource, opts: MeasureOptions) -> list[dict[str, Any]]:
@@ -148,8 +211,16 @@ def measure_kv(source: ModelSource, opts: MeasureOptions) -> MeasureKVReport:
         dtype=opts.dtype,
         state_dtype=opts.state_dtype,
         active_params=opts.active_params,
+        engine=opts.engine,
+        allow_torch=bool(opts.codecs) or opts.empirical,
     )
-    requests = request_rows(spec, opts.seqs)
+    requests = request_rows(spec, opts.seqs, opts)
+    notes = list(spec.notes)
+    block = None
+    if spec.engine == "vllm":
+        sizing = vllm_kv_bytes(spec, opts.seqs[0], opts.block_size, device=opts.device)
+        block = sizing.block_size
+        notes.extend(sizing.notes)
     empirical = _empirical_rows(source, opts) if opts.empirical else None
     sample, codecs = _codec_rows(source, opts)
     ratios = {row["name"]: row["ratio"] for row in codecs if row["name"] != "raw"}
@@ -169,6 +240,11 @@ def measure_kv(source: ModelSource, opts: MeasureOptions) -> MeasureKVReport:
         empirical=empirical,
         codec_sample=sample,
         codecs=codecs,
-        budget=compute_budget(spec, list(opts.seqs), ratios, opts.link),
-        notes=spec.notes,
+        budget=compute_budget(spec, list(opts.seqs), ratios, opts.link, engine_bytes(spec, opts)),
+        notes=notes,
+        engine=spec.engine,
+        engine_rules=VLLM_RULES if spec.engine == "vllm" else TRANSFORMERS_RULES,
+        block_size=block,
+        config_source=spec.config_source,
+        state_dtypes=spec.state_dtypes(),
     )

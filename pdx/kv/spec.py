@@ -6,18 +6,19 @@ path answers in milliseconds and runs on machines without a model runtime.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 from pdx.errors import InputError
-from pdx.kv.layers import DTYPE_BYTES, STATE_DTYPES, LayerKind, LayerSpec
+from pdx.kv.layers import DTYPE_BYTES, GROWING_KINDS, STATE_DTYPES, LayerKind, LayerSpec
 
 __all__ = ["DTYPE_BYTES", "STATE_DTYPES", "KVSpec", "LayerKind", "LayerSpec", "build_spec"]
 
 
 @dataclass(frozen=True)
 class KVSpec:
-    """Per-layer KV description of one model at one KV dtype."""
+    """Per-layer KV description of one model at one KV dtype, as one engine keeps it."""
 
     model: str
     model_type: str
@@ -27,11 +28,14 @@ class KVSpec:
     params_total: int  # 0 when the config lacks a field the count needs (see notes)
     params_active: int
     notes: list[str] = field(default_factory=list)
+    engine: str = "transformers"
+    model_dtype: str = "bf16"
+    config_source: str | None = None  # "transformers X.Y" or None (raw config fields)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes per token of the layers whose cache grows without bound (full attention, MLA)."""
-        return sum(la.bytes_per_token for la in self.layers if la.kind in ("full", "mla"))
+        """Bytes per token of the layers whose cache grows without bound (full, MLA, hybrid)."""
+        return sum(la.bytes_per_token for la in self.layers if la.kind in GROWING_KINDS)
 
     @property
     def sliding_bytes_per_token(self) -> int:
@@ -54,6 +58,14 @@ class KVSpec:
         for la in self.layers:
             counts[la.kind] = counts.get(la.kind, 0) + 1
         return counts
+
+    def state_dtypes(self) -> dict[str, str]:
+        """Element type of each kind of state tensor (``mixed`` when layers differ)."""
+        seen: dict[str, set[str]] = {}
+        for la in self.layers:
+            for st in la.states:
+                seen.setdefault(st.name, set()).add(st.dtype)
+        return {k: v.pop() if len(v) == 1 else "mixed" for k, v in sorted(seen.items())}
 
 
 def check_seq(seq: int) -> int:
@@ -89,12 +101,26 @@ def dtype_bytes(dtype: str, field_name: str = "--dtype") -> int:
 
 
 def resolve_state_dtype(state_dtype: str, kv_dtype: str) -> str:
-    """``auto`` follows the KV dtype, except that fp8 KV keeps states in bf16."""
+    """``auto`` follows the model dtype (the KV dtype; bf16 for fp8 KV), else the given one."""
     if state_dtype not in STATE_DTYPES:
         raise InputError("--state-dtype", state_dtype, f"one of {', '.join(STATE_DTYPES)}")
     if state_dtype != "auto":
         return state_dtype
+    return model_dtype_for(kv_dtype)
+
+
+def model_dtype_for(kv_dtype: str) -> str:
+    """The activation dtype a model runs in for a KV dtype (fp8 KV: the model runs in bf16)."""
     return "bf16" if kv_dtype == "fp8" else kv_dtype
+
+
+def check_engine(engine: str) -> str:
+    """``--engine``: transformers or vllm."""
+    from pdx.kv.families import ENGINES
+
+    if engine not in ENGINES:
+        raise InputError("--engine", engine, f"one of {', '.join(ENGINES)}")
+    return engine
 
 
 def build_spec(
@@ -104,37 +130,54 @@ def build_spec(
     dtype: str = "bf16",
     state_dtype: str = "auto",
     active_params: int | None = None,
+    engine: str = "transformers",
+    allow_torch: bool = False,
 ) -> KVSpec:
     """The KV spec of a model from its Hugging Face ``config.json`` contents.
 
-    ``active_params`` overrides the per-token parameter count estimated from the config.
+    The config is read through transformers' configuration classes
+    (:func:`pdx.kv.hfconfig.resolve_config`; ``allow_torch`` lets that happen in this process).
+    ``state_dtype`` ``auto`` sizes each state tensor in the dtype ``engine`` keeps it in;
+    any other value overrides the recurrent / SSM states (conv states stay in the model
+    dtype). ``active_params`` overrides the per-token parameter count estimated from the config.
     """
     from pdx.errors import UnsupportedModelError
-    from pdx.kv.families import classify_layers, text_config
+    from pdx.kv.families import Dtypes, classify_layers
+    from pdx.kv.hfconfig import resolve_config
     from pdx.kv.params import count_params
 
-    kv_bytes = dtype_bytes(dtype)
-    state = resolve_state_dtype(state_dtype, dtype)
-    cfg, model_type = text_config(config)
-    layers, notes = classify_layers(cfg, model_type, kv_bytes, DTYPE_BYTES[state])
+    dtype_bytes(dtype)
+    if state_dtype not in STATE_DTYPES:
+        raise InputError("--state-dtype", state_dtype, f"one of {', '.join(STATE_DTYPES)}")
+    check_engine(engine)
+    model_dtype = model_dtype_for(dtype)
+    resolved = resolve_config(config, allow_torch=allow_torch)
+    dtypes = Dtypes(kv=dtype, model=model_dtype, state=state_dtype, engine=engine)
+    layers, notes = classify_layers(resolved, dtypes)
     try:
-        total, active = count_params(cfg, model_type)
+        total, active = count_params(resolved.text, resolved.model_type)
     except UnsupportedModelError as exc:  # KV sizes do not need it; recompute times do
         total = active = 0
         notes.append(f"parameter count unknown ({exc}); --active-params-b gives recompute times")
     if active_params is not None:
         active = active_params
         notes.append(f"active parameters set to {active_params:,} (--active-params-b)")
-    return KVSpec(
+    spec = KVSpec(
         model=name,
-        model_type=model_type,
+        model_type=resolved.model_type,
         dtype=dtype,
-        state_dtype=state,
+        state_dtype=state_dtype,
         layers=layers,
         params_total=total,
         params_active=active,
         notes=notes,
+        engine=engine,
+        model_dtype=model_dtype,
+        config_source=resolved.library,
     )
+    recurrent = spec.state_dtypes().get("recurrent")
+    shown = recurrent or (model_dtype if state_dtype == "auto" else state_dtype)
+    return dataclasses.replace(spec, state_dtype=shown)
 
 
 def check_positive(field_name: str, value: int, *, allow_zero: bool = False) -> int:

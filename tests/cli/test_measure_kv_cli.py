@@ -154,11 +154,20 @@ def test_bad_input_one_line_exit_2(args: list[str], needle: str) -> None:
 def test_bad_config_files(tmp_path: Path) -> None:
     cases = [
         (
-            _bad_config(tmp_path, "a", num_key_value_heads=None, num_attention_heads=None),
+            _bad_config(
+                tmp_path,
+                "a",
+                model_type="in_house",
+                num_key_value_heads=None,
+                num_attention_heads=None,
+            ),
             "'num_attention_heads'",
         ),
-        (_bad_config(tmp_path, "b", model_type="t5"), "model_type 't5' is not supported"),
-        (_bad_config(tmp_path, "c", num_hidden_layers="many"), "'num_hidden_layers' is 'many'"),
+        (_bad_config(tmp_path, "b", model_type="t5"), "'t5' is not a decoder-only"),
+        (
+            _bad_config(tmp_path, "c", num_hidden_layers="many"),
+            "'num_hidden_layers' was rejected by transformers",
+        ),
     ]
     for path, needle in cases:
         result = run("--config", path, "--codecs", "none")

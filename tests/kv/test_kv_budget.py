@@ -81,7 +81,8 @@ def test_bad_link_params(kwargs, field: str) -> None:
 
 
 def test_unknown_parameter_count_keeps_kv_sizes_and_drops_recompute() -> None:
-    cfg = dict(load_preset("llama-3.1-8b").config)
+    # A model type transformers does not know is read from its own fields: no vocab default.
+    cfg = {**load_preset("llama-3.1-8b").config, "model_type": "in_house_llama"}
     del cfg["vocab_size"]
     spec = build_spec(cfg, name="x")
     assert spec.kv_bytes_per_token == 131072 and spec.params_active == 0

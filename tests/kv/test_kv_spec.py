@@ -74,30 +74,44 @@ def test_gpt_oss_alternates_sliding_128() -> None:
     assert spec.kv_bytes(8192) == 36864 * 8192 + 36864 * 127
 
 
-def test_qwen3_next_gated_deltanet_state() -> None:
+def test_qwen3_next_gated_deltanet_state_per_tensor() -> None:
     spec = spec_of("qwen3-next-80b-a3b")
     assert spec.kind_counts() == {"linear": 36, "full": 12}
     conv = (2 * 16 * 128 + 32 * 128) * 4
     recurrent = 32 * 128 * 128
-    assert spec.state_bytes_per_request == 36 * (conv + recurrent) * 2 == 40_108_032
-    assert spec.kv_bytes(1) == 24576 + 40_108_032
+    # transformers keeps the conv state in the model dtype and the recurrent state in fp32
+    assert spec.state_dtypes() == {"conv": "bf16", "recurrent": "fp32"}
+    assert spec.state_bytes_per_request == 36 * (conv * 2 + recurrent * 4) == 77_856_768
+    assert spec.kv_bytes(1) == 24576 + 77_856_768
 
 
-def test_jamba_mamba_state() -> None:
+def test_jamba_mamba_state_per_tensor() -> None:
     spec = spec_of("jamba-v0.1")
     assert [la.index for la in spec.layers if la.kind == "full"] == [4, 12, 20, 28]
     inner = 2 * 4096
-    assert spec.state_bytes_per_request == 28 * (inner * 4 + inner * 16) * 2 == 9_175_040
+    # the figure the issue measured from transformers' own cache (jamba-1.5-mini, same shape)
+    assert spec.state_bytes_per_request == 28 * (inner * 4 * 2 + inner * 16 * 4) == 16_515_072
+    conv, ssm = spec.layers[0].states
+    assert (conv.shape, conv.dtype, ssm.shape, ssm.dtype) == (
+        (inner, 4),
+        "bf16",
+        (inner, 16),
+        "fp32",
+    )
 
 
 def test_state_dtype_and_kv_dtype() -> None:
     assert spec_of("llama-3.1-70b", dtype="fp8").kv_bytes_per_token == 163840
     assert spec_of("llama-3.1-70b", dtype="fp32").kv_bytes_per_token == 655360
-    fp8 = spec_of("jamba-v0.1", dtype="fp8")
-    assert fp8.state_dtype == "bf16" and fp8.state_bytes_per_request == 9_175_040
-    fp32_state = spec_of("jamba-v0.1", state_dtype="fp32")
-    assert fp32_state.state_bytes_per_request == 2 * 9_175_040
-    assert fp32_state.kv_bytes_per_token == 16384
+    inner = 2 * 4096
+    fp8 = spec_of("jamba-v0.1", dtype="fp8")  # fp8 KV: the model (and its conv state) is bf16
+    assert fp8.state_dtypes() == {"conv": "bf16", "recurrent": "fp32"}
+    assert fp8.state_bytes_per_request == 16_515_072
+    bf16_state = spec_of("jamba-v0.1", state_dtype="bf16")  # overrides the SSM state only
+    assert bf16_state.state_bytes_per_request == 28 * (inner * 4 + inner * 16) * 2 == 9_175_040
+    assert bf16_state.kv_bytes_per_token == 16384
+    vllm = spec_of("jamba-v0.1", engine="vllm")  # vLLM keeps both in the model dtype
+    assert vllm.state_dtypes() == {"conv": "bf16", "recurrent": "bf16"}
 
 
 def test_user_config_of_a_known_family_is_sized_exactly() -> None:
@@ -129,14 +143,10 @@ def test_explicit_layer_types_win() -> None:
 @pytest.mark.parametrize(
     ("mutate", "needle"),
     [
-        (
-            lambda c: c.pop("num_key_value_heads") and c.pop("num_attention_heads"),
-            "num_attention_heads",
-        ),
-        (lambda c: c.pop("num_hidden_layers"), "num_hidden_layers"),
-        (lambda c: c.update(model_type="bert"), "'bert' is not supported"),
+        (lambda c: c.update(model_type="bert"), "'bert' is not a decoder-only language model"),
+        (lambda c: c.update(model_type="t5"), "'t5' is not a decoder-only language model"),
         (lambda c: c.pop("model_type"), "no 'model_type'"),
-        (lambda c: c.update(num_key_value_heads=0), "'num_key_value_heads' is 0"),
+        (lambda c: c.update(num_key_value_heads=0), "'num_key_value_heads'"),
     ],
 )
 def test_bad_configs_name_the_problem(mutate, needle: str) -> None:
@@ -146,23 +156,59 @@ def test_bad_configs_name_the_problem(mutate, needle: str) -> None:
         build_spec(cfg, name="x")
 
 
-def test_family_specific_missing_fields() -> None:
-    cfg = copy.deepcopy(load_preset("deepseek-v3").config)
-    del cfg["kv_lora_rank"]
-    with pytest.raises(UnsupportedModelError, match=r"'deepseek_v3'.*'kv_lora_rank'"):
+def test_unknown_model_type_names_every_missing_field_at_once() -> None:
+    cfg = {"model_type": "in_house_lm", "num_hidden_layers": 4, "hidden_size": 256}
+    with pytest.raises(UnsupportedModelError) as err:
         build_spec(cfg, name="x")
-    mistral = copy.deepcopy(load_preset("mistral-7b-v0.1").config)
-    del mistral["sliding_window"]
-    with pytest.raises(UnsupportedModelError, match="'sliding_window'"):
-        build_spec(mistral, name="x")
-    gemma = copy.deepcopy(load_preset("gemma-3-27b").config)
-    del gemma["text_config"]["sliding_window_pattern"]
-    with pytest.raises(UnsupportedModelError, match="'sliding_window_pattern'"):
-        build_spec(gemma, name="x")
+    message = str(err.value)
+    assert "'in_house_lm'" in message and "'num_attention_heads'" in message
+    assert message.count("missing") >= 1 and "\n" not in message
+
+
+def test_unknown_model_type_with_mla_fields_is_sized_as_mla() -> None:
+    cfg = {**load_preset("deepseek-v3").config, "model_type": "kimi_k2"}
+    spec = build_spec(cfg, name="kimi")
+    assert spec.kind_counts() == {"mla": 61} and spec.kv_bytes_per_token == 70272
+    assert spec.config_source is None and any("kimi_k2" in n for n in spec.notes)
+
+
+def test_class_defaults_fill_what_the_published_config_omits() -> None:
+    cfg = copy.deepcopy(load_preset("gemma-3-27b").config)
+    for key in ("sliding_window_pattern", "num_attention_heads", "num_key_value_heads"):
+        del cfg["text_config"][key]
+    spec = build_spec(cfg, name="x")  # Gemma3TextConfig: 8 heads, 4 KV heads, pattern 6
+    assert spec.kind_counts() == {"sliding": 52, "full": 10}
+    assert spec.layers[0].tokens[0].elems == 4 * 128
+    note = next(n for n in spec.notes if "defaults" in n)
+    assert "num_key_value_heads=4" in note and "num_attention_heads=8" in note
+
+
+def test_field_transformers_rejects_is_dropped_with_a_note() -> None:
+    cfg = {
+        "model_type": "llama4",
+        "text_config": {"model_type": "llama4_text", "num_hidden_layers": 4,
+                        "attn_temperature_tuning": 4, "attention_chunk_size": 8192},
+    }  # fmt: skip
+    spec = build_spec(cfg, name="x")
+    assert spec.kind_counts() == {"sliding": 3, "full": 1}
+    assert spec.layers[0].window_tokens == 8191
+    assert any("attn_temperature_tuning" in n for n in spec.notes)
+
+
+def test_family_specific_bad_fields() -> None:
     bad_types = copy.deepcopy(load_preset("gpt-oss-120b").config)
     bad_types["layer_types"] = ["full_attention"] * 3
-    with pytest.raises(UnsupportedModelError, match="must list 36 entries"):
+    with pytest.raises(UnsupportedModelError):
         build_spec(bad_types, name="x")
+    raw = {
+        "model_type": "in_house_ssm",
+        "num_hidden_layers": 2,
+        "hidden_size": 64,
+        "layer_types": ["linear_attention", "full_attention"],
+        "num_attention_heads": 4,
+    }
+    with pytest.raises(UnsupportedModelError, match="no sizing rule for this model's state mixer"):
+        build_spec(raw, name="x")  # fmt: skip
 
 
 @pytest.mark.parametrize("text", ["0", "-5", "abc", "1024,,x", ""])
