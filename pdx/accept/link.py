@@ -19,23 +19,23 @@ from pdx.accept.playbook import Condition
 
 def proxy_acts(c: Condition, *, kernel_shaping: bool = False) -> bool:
     """Whether the proxy has anything to do for ``c`` (``kernel_shaping``: under target.netns)."""
-    if kernel_shaping:
-        return bool(c.delay_ms or c.jitter_ms or c.link_down_at_s is not None)
+    if kernel_shaping:  # delay, jitter, loss and rate are packet-level on the router hop
+        return c.link_down_at_s is not None
     return c.is_fault
 
 
 def condition_toxics(c: Condition, *, kernel_shaping: bool = False) -> list[dict[str, Any]]:
     """The faults-proxy toxics for one condition (empty = normal).
 
-    With ``kernel_shaping`` loss and bandwidth are left out: the router applies them, never twice.
+    With ``kernel_shaping`` (target.netns) there are none: the router hop applies them.
     """
     toxics: list[dict[str, Any]] = []
+    if kernel_shaping:  # the router hop applies delay, jitter, loss and rate, never twice
+        return toxics
     if c.delay_ms or c.jitter_ms:
         toxics.append(
             {"type": "latency", "name": "delay", "latency_ms": c.delay_ms, "jitter_ms": c.jitter_ms}
         )
-    if kernel_shaping:
-        return toxics
     if c.loss:
         toxics.append(
             {
@@ -94,8 +94,8 @@ class ProxyLink:
     """Drives the deploy's KV-link fault proxy through its control API, one condition per step.
 
     ``client`` is a :class:`pdx.faults.client.ControlClient` (blocking, stdlib HTTP): every call
-    runs in a worker thread so the event loop keeps timing the step. ``kernel_shaping``: loss and
-    bandwidth are the router namespace's job (target.netns); the proxy adds only delay and cuts.
+    runs in a worker thread so the event loop keeps timing the step. ``kernel_shaping``: delay,
+    jitter, loss and bandwidth are the router hop's job (target.netns); the proxy only cuts.
     """
 
     def __init__(self, client: Any, *, kernel_shaping: bool = False) -> None:

@@ -1,19 +1,19 @@
-"""The deploy placed in a two-site namespace topology, with kernel conditions per step.
+"""The deploy placed in a two-site namespace topology, with packet-level conditions per step.
 
 ``pdx.faults.netns`` builds ``<prefix>-prefill ── <prefix>-router ── <prefix>-decode``; this
 module adds a host link (``10.77.3.1/30`` here ↔ ``10.77.3.2/30`` in the decode site) so the
 load generator and the metric scrapes, which run in this namespace, reach the gateway. A step's
-``bandwidth_mbps`` / ``loss`` are applied with :func:`pdx.faults.netns.up` (idempotent: it
-reconfigures the router's ``tbf`` and nft rule in place), and the router's counters before
-and after the step show what the kernel did. Delay, jitter and link cuts go to the deploy's KV
-fault proxy on the decode side, whose control API listens on the host link. Root only.
+``delay_ms``, ``jitter_ms``, ``loss`` and ``bandwidth_mbps`` become packet-level conditions of
+the router hop (netem, or pdx's userspace emulator where the kernel has none), changed live
+between steps, and the emulator's counters before and after the step show what it did to the
+wire packets. Link cuts stay with the deploy's KV fault proxy on the decode side (a TCP-level
+fault: reset connections), whose control API listens on the host link. Root only.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import re
 import shutil
 import subprocess
 from typing import Any
@@ -23,8 +23,6 @@ from pdx.errors import PdxError
 
 HOST_ADDR = "10.77.3.1"
 SITE_ADDR = "10.77.3.2"
-_TBF_STATS = re.compile(r"Sent (\d+) bytes (\d+) pkt \(dropped (\d+), overlimits (\d+)")
-_NFT_COUNTER = re.compile(r"counter packets (\d+) bytes (\d+) drop")
 
 
 class NetnsUnavailable(PdxError):
@@ -38,11 +36,9 @@ def check_available() -> None:
             "target.netns.enabled needs root (CAP_NET_ADMIN) to create network namespaces; "
             "run pdx accept as root, or set target.netns.enabled=false"
         )
-    missing = [t for t in ("ip", "tc", "nft") if shutil.which(t) is None]
+    missing = [t for t in ("ip", "tc") if shutil.which(t) is None]
     if missing:
-        raise NetnsUnavailable(
-            f"target.netns.enabled needs {', '.join(missing)} (iproute2, nftables)"
-        )
+        raise NetnsUnavailable(f"target.netns.enabled needs {', '.join(missing)} (iproute2)")
 
 
 def _ip(*args: str, check: bool = True) -> None:
@@ -118,40 +114,44 @@ class Topology:
         return ["ip", "netns", "exec", self.decode_ns]
 
     async def apply(self, c: Condition) -> dict[str, Any]:
-        """Set the router's rate cap and loss for one step; returns what was set."""
+        """Set the router hop's conditions for one step (live); returns what was set."""
         from pdx.faults import netns
+        from pdx.faults.wan.conditions import make_conditions
 
         rate = c.bandwidth_mbps or self.opts.rate_mbit
-        cfg = self.cfg.model_copy(update={"rate_mbit": rate, "loss": c.loss})
-        status = await asyncio.to_thread(netns.up, cfg)
+        both = {"rate_mbit": rate, "delay_ms": c.delay_ms, "jitter_ms": c.jitter_ms,
+                "loss": c.loss}  # fmt: skip
+        wan = make_conditions(both, source="condition")
+        await asyncio.to_thread(netns.up, self.cfg.with_conditions(wan))
+        state = await asyncio.to_thread(netns.status, self.cfg)
+        w = state.get("wan", {})
         return {
+            "emulator": w.get("emulator", "none"),
+            "conditions": wan.model_dump(mode="json"),
+            "summary": wan.summary(),
             "rate_mbit": rate,
             "loss": c.loss,
-            "qdiscs": status.get("qdiscs", {}),
-            "nft": status.get("nft"),
+            "delay_ms": c.delay_ms,
+            "jitter_ms": c.jitter_ms,
+            "qdiscs": state.get("qdiscs", {}),
         }
 
     async def counters(self) -> dict[str, int]:
-        """Router counters: tbf bytes/packets/drops on both hops and nft loss drops."""
+        """What the router hop did so far: the emulator's per-direction counters (wire
+        packets in/out, lost, tail-dropped, reordered, duplicated), or the tbf's."""
         return await asyncio.to_thread(self._counters)
 
     def _counters(self) -> dict[str, int]:
-        out = {"tbf_bytes": 0, "tbf_packets": 0, "tbf_dropped": 0, "tbf_overlimits": 0}
-        for dev in ("eth-prefill", "eth-decode"):
-            text = subprocess.run(
-                ["tc", "-s", "-n", self.cfg.router, "qdisc", "show", "dev", dev],
-                capture_output=True, text=True, check=False,
-            ).stdout  # fmt: skip
-            m = _TBF_STATS.search(text)
-            if m:
-                for key, value in zip(out, m.groups(), strict=True):
-                    out[key] += int(value)
-        nft = subprocess.run(
-            ["ip", "netns", "exec", self.cfg.router, "nft", "list", "table", "inet", "pdx_faults"],
-            capture_output=True, text=True, check=False,
-        ).stdout  # fmt: skip
-        m = _NFT_COUNTER.search(nft)
-        out["loss_dropped_packets"] = int(m.group(1)) if m else 0
+        from pdx.faults import netns
+
+        wan = netns.status(self.cfg).get("wan", {})
+        out: dict[str, int] = {}
+        for d, c in (wan.get("counters") or {}).items():
+            for key, value in c.items():
+                if isinstance(value, int) and not key.endswith("_max_bytes"):
+                    out[f"{d}_{key}"] = value
+        for d, drops in (wan.get("queue_drops") or {}).items():
+            out.setdefault(f"{d}_dropped_queue", int(drops))
         return out
 
     async def down(self) -> None:
@@ -165,5 +165,6 @@ class Topology:
 
 
 def counters_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
-    """What the router did during one step (both read after the step's condition was set)."""
-    return {k: after[k] - before.get(k, 0) for k in after}
+    """What the router did during one step (both read after the step's condition was set;
+    a counter that went backwards means the emulator restarted: its value after counts)."""
+    return {k: v - before.get(k, 0) if v >= before.get(k, 0) else v for k, v in after.items()}

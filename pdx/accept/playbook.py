@@ -56,9 +56,10 @@ class NetnsTarget(BaseModel):
     """Deploy into a two-site namespace topology (``pdx faults netns``; root only).
 
     Prefill runs in ``<prefix>-prefill``, decode and the gateway in ``<prefix>-decode``; every
-    KV byte crosses ``<prefix>-router``, where each step's ``bandwidth_mbps`` becomes a ``tbf``
-    rate cap and ``loss`` an nft random drop; delay, jitter and link cuts are applied by the
-    deploy's KV fault proxy on the decode side. A host link ``10.77.3.0/30`` joins this
+    KV byte crosses ``<prefix>-router``, where each step's ``bandwidth_mbps``, ``delay_ms``,
+    ``jitter_ms`` and ``loss`` act on every wire packet (netem, or pdx's userspace emulator);
+    link cuts are applied by the deploy's KV fault proxy on the decode side (connections
+    reset). A host link ``10.77.3.0/30`` joins this
     namespace to the decode site so the load generator (and the proxy's control) reach it.
     """
 
@@ -97,7 +98,8 @@ class Condition(BaseModel):
     ``loss`` on a TCP link is applied as stalls: with that probability per chunk the stream is
     held for ``loss_stall_ms`` (what a retransmission costs); ``link_down_*`` cuts the link at
     ``link_down_at_s`` into the step for ``link_down_for_s`` seconds. Under ``target.netns``
-    ``loss`` and ``bandwidth_mbps`` are set in the router's kernel instead (packet drops, tbf).
+    ``delay_ms``, ``jitter_ms``, ``loss`` and ``bandwidth_mbps`` are packet-level conditions of
+    the router hop instead (TCP itself sees the RTT and the lost packets).
     """
 
     model_config = _Strict

@@ -247,13 +247,24 @@ def _fault_lines(report: Report) -> list[str]:
 def _kernel_lines(s: StepReport) -> list[str]:
     k = s.kernel or {}
     c = k.get("router_counters") or {}
-    loss = f"{k.get('loss', 0):g}"
+    emulator = k.get("emulator", "none")
+    moved = []
+    for d, way in (("down", "prefill → decode"), ("up", "decode → prefill")):
+        if f"{d}_packets_in" in c:
+            moved.append(
+                f"{way} {c[f'{d}_packets_in']} wire packets in, {c.get(f'{d}_packets_out', 0)} "
+                f"out, {c.get(f'{d}_dropped_loss', 0)} lost, "
+                f"{c.get(f'{d}_dropped_queue', 0)} tail-dropped"
+            )
+        elif f"{d}_bytes_out" in c:
+            moved.append(
+                f"{way} tbf sent {c[f'{d}_bytes_out']} B, over its rate "
+                f"{c.get(f'{d}_overlimits', 0)} times, dropped {c.get(f'{d}_dropped_queue', 0)}"
+            )
+    how = "rate cap only (tbf)" if emulator == "none" else f"{emulator} emulator"
     return [
-        f"- **{s.id}** ({s.network}): kernel condition on the router namespace: tbf rate "
-        f"{k.get('rate_mbit', 0):g} Mbit/s, nft random loss {loss}; during the step tbf sent "
-        f"{c.get('tbf_bytes', 0)} B in {c.get('tbf_packets', 0)} packets, dropped "
-        f"{c.get('tbf_dropped', 0)}, overlimits {c.get('tbf_overlimits', 0)}; nft dropped "
-        f"{c.get('loss_dropped_packets', 0)} packets; service: {s.summary.get('retries', 0)} "
+        f"- **{s.id}** ({s.network}): router hop, {how}: {k.get('summary', '-')}; during the "
+        f"step {'; '.join(moved) or 'no counters'}; service: {s.summary.get('retries', 0)} "
         f"retries, {s.summary.get('degraded', 0)} degraded, {s.summary.get('failed', 0)} failed",
         *(f"  - `{dev}`: {text}" for dev, text in (k.get("qdiscs") or {}).items()),
     ]

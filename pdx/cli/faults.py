@@ -18,7 +18,10 @@ faults_app = typer.Typer(
 )
 toxic_app = typer.Typer(help="List, add, update and remove toxics of a running proxy (--api).")
 link_app = typer.Typer(help="Take a running proxy's link down or up (--api).")
-netns_app = typer.Typer(help="Prefill/router/decode network namespaces with tbf rate and nft loss.")
+netns_app = typer.Typer(
+    help="Prefill/router/decode network namespaces with a WAN between them: packet-level "
+    "delay, jitter, loss, reordering, duplication, rate and cuts (netem or userspace)."
+)
 
 API_OPT = typer.Option(..., "--api", help="Control API of the running proxy, HOST:PORT.")
 JSON_OPT = typer.Option(False, "--json", help="Print JSON.")
@@ -38,6 +41,7 @@ def register(app: typer.Typer) -> None:
     netns_app.command("up")(netns_up)
     netns_app.command("down")(netns_down)
     netns_app.command("status")(netns_status)
+    netns_app.command("timeline")(netns_timeline)
     faults_app.add_typer(toxic_app, name="toxic")
     faults_app.add_typer(link_app, name="link")
     faults_app.add_typer(netns_app, name="netns")
@@ -283,23 +287,57 @@ PREFIX_OPT = typer.Option("pdx", "--prefix", help="Namespace name prefix (<prefi
 def netns_up(
     prefix: str = PREFIX_OPT,
     rate_mbit: float = typer.Option(
-        1000.0, "--rate-mbit", help="tbf rate on the router hop, Mbit/s."
+        1000.0, "--rate-mbit", help="Rate cap of the router hop, each direction, Mbit/s."
     ),
-    loss: float = typer.Option(
-        0.0, "--loss", help="Drop probability on the router hop (nft numgen), 0-1."
+    queue_ms: float = typer.Option(
+        50.0, "--queue-ms", help="Bottleneck queue: backlog (ms at the rate) before tail drops."
     ),
+    delay_ms: float = typer.Option(
+        0.0, "--delay-ms", help="One-way delay each direction, ms (RTT = 2 x this + the path's)."
+    ),
+    jitter_ms: float = typer.Option(
+        0.0, "--jitter-ms", help="Normal jitter (std dev) on the delay, ms; never reorders."
+    ),
+    loss: float = typer.Option(0.0, "--loss", help="Loss per wire packet, each direction, 0-1."),
+    loss_model: str = typer.Option(
+        "random", "--loss-model", help="random (independent) or gilbert (bursts)."
+    ),
+    loss_burst: float = typer.Option(
+        1.0, "--loss-burst", help="gilbert: mean burst length, packets (> 1)."
+    ),
+    reorder: float = typer.Option(
+        0.0, "--reorder", help="Share of packets sent on without the delay (overtaking), 0-1."
+    ),
+    duplicate: float = typer.Option(0.0, "--duplicate", help="Share of packets sent twice, 0-1."),
+    up_dir: str = typer.Option(
+        "", "--up", help="decode → prefill overrides, e.g. 'delay_ms=40,loss=0.001'."
+    ),
+    down_dir: str = typer.Option(
+        "", "--down", help="prefill → decode overrides, e.g. 'rate_mbit=200'."
+    ),
+    emulator: str = typer.Option(
+        "auto", "--emulator", help="auto (netem if the kernel has it), netem or userspace."
+    ),
+    seed: int | None = typer.Option(None, "--seed", help="Seed of every random choice."),
     mtu: int = typer.Option(1500, "--mtu", help="MTU of every veth link."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Create (or reconfigure) prefill, router and decode namespaces. Needs root."""
+    """Create (or reconfigure live) prefill, router and decode namespaces and the WAN between
+    them. Needs root."""
     from pdx.faults import netns
+    from pdx.faults.wan.conditions import parse_direction
 
-    cfg = netns.make_config(prefix=prefix, rate_mbit=rate_mbit, loss=loss, mtu=mtu)
+    cfg = netns.make_config(
+        prefix=prefix, mtu=mtu, emulator=emulator, seed=seed, rate_mbit=rate_mbit,
+        queue_ms=queue_ms, delay_ms=delay_ms, jitter_ms=jitter_ms, loss=loss,
+        loss_model=loss_model, loss_burst=loss_burst, reorder=reorder, duplicate=duplicate,
+        up=parse_direction(up_dir, "--up"), down=parse_direction(down_dir, "--down"),
+    )  # fmt: skip
     emit(netns.up(cfg), as_json=as_json, render=_render_netns)
 
 
 def netns_down(prefix: str = PREFIX_OPT, as_json: bool = JSON_OPT) -> None:
-    """Delete the namespaces (no-op when absent). Needs root."""
+    """Stop the emulator and delete the namespaces (no-op when absent). Needs root."""
     from pdx.faults import netns
 
     result = netns.down(netns.make_config(prefix=prefix))
@@ -311,10 +349,33 @@ def netns_down(prefix: str = PREFIX_OPT, as_json: bool = JSON_OPT) -> None:
 
 
 def netns_status(prefix: str = PREFIX_OPT, as_json: bool = JSON_OPT) -> None:
-    """Show namespaces, addresses, qdiscs and the loss rule. Needs root."""
+    """Namespaces, addresses, the conditions in force, which emulator applies them, and its
+    counters. Needs root."""
     from pdx.faults import netns
 
     emit(netns.status(netns.make_config(prefix=prefix)), as_json=as_json, render=_render_netns)
+
+
+def netns_timeline(
+    path: Path = typer.Argument(..., help="Timeline YAML (events with at_s and one action)."),
+    prefix: str = PREFIX_OPT,
+    check: bool = typer.Option(False, "--check", help="Only validate and print the plan."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Change the router hop's conditions over time (live) on a topology that is up. Needs root."""
+    from pdx.faults import netns
+    from pdx.faults.wan.timeline import load_wan_timeline, run_wan_timeline
+
+    plan = load_wan_timeline(path)
+    if check:
+        rows = [{"at_s": at, "what": e.describe()} for at, e in plan.plan()]
+        data: dict[str, Any] = {"valid": True, "duration_s": plan.duration_s, "events": rows}
+        emit(data, as_json=as_json, render=_render_plan)
+        return
+    start = netns.current(prefix).wan
+    err_console().print(f"running {len(plan.events)} events over {plan.duration_s:g} s")
+    records = run_wan_timeline(plan, start, lambda wan: netns.set_conditions(prefix, wan))
+    emit({"events": records}, as_json=as_json, render=_render_records)
 
 
 def _render_netns(console: Any, data: dict[str, Any]) -> None:
@@ -324,9 +385,26 @@ def _render_netns(console: Any, data: dict[str, Any]) -> None:
             console.print(f"    {' '.join(row)}")
     for dev, text in data["qdiscs"].items():
         console.print(f"router {dev}: {text}", soft_wrap=True)
-    if data["nft"]:
-        console.print("router nft:\n" + data["nft"])
+    wan = data.get("wan")
+    if wan:
+        _render_wan(console, wan)
     if data["up"]:
         console.print(
             f"prefill {data['prefill_addr']} ↔ decode {data['decode_addr']} via the router"
         )
+
+
+def _render_wan(console: Any, wan: dict[str, Any]) -> None:
+    from pdx.faults.wan.conditions import WanConditions
+
+    if wan.get("conditions"):
+        console.print("conditions: " + WanConditions.model_validate(wan["conditions"]).summary())
+    running = {True: "running", False: "NOT RUNNING", None: "-"}[wan.get("running")]
+    console.print(f"emulator: {wan['emulator']} ({running}); traffic {wan['traffic']}")
+    keys = ("packets_in", "packets_out", "dropped_loss", "dropped_queue", "dropped_cut",
+            "reordered", "duplicated", "held_packets", "queue_ms")  # fmt: skip
+    for d, c in wan.get("counters", {}).items():
+        shown = ", ".join(f"{k} {c[k]:,}" for k in keys if k in c)
+        console.print(f"  {d}: {shown}", soft_wrap=True)
+    if wan.get("error"):
+        console.print(f"  {wan['error']}; log: {wan.get('log') or '-'}", soft_wrap=True)
