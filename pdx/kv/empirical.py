@@ -124,9 +124,11 @@ def fits_as_is(config: dict[str, Any]) -> bool:
     return total <= RUN_AS_IS_MAX_PARAMS
 
 
-def _resolved_types(config: dict[str, Any]) -> tuple[list[str], dict[str, Any]]:
+def _resolved_types(config: dict[str, Any]) -> tuple[list[str], dict[str, Any], str]:
+    """Layer types, the filled-in text config, and the model_type transformers runs it as."""
     resolved = resolve_config(config, allow_torch=True)
-    return layer_types(resolved.text, resolved.model_type), resolved.text
+    run_type = resolved.model_type if resolved.library else text_config(config)[1]
+    return layer_types(resolved.text, resolved.model_type), resolved.text, run_type
 
 
 def tiny_config(
@@ -136,8 +138,8 @@ def tiny_config(
 
     ``head_dim=None`` keeps the model's own head size (realistic K/V rows for codec tests).
     """
-    cfg, model_type = text_config(config)
-    kinds, full = _resolved_types(config)
+    cfg = text_config(config)[0]
+    kinds, full, model_type = _resolved_types(config)  # e.g. Kimi K2's text runs as deepseek_v3
     n, shared = _tiny_layer_count(kinds)
     new = {k: v for k, v in cfg.items() if k not in _DROP}
     new["model_type"] = model_type
@@ -168,11 +170,24 @@ def tiny_config(
         updates["pad_token_id"] = 0
     changed: dict[str, list[Any]] = {}
     for key, value in updates.items():
-        if key in cfg or key in ("num_key_value_heads", "head_dim"):
+        # fields the config sets, and those transformers fills in that shape the model
+        filled = key in full and key in _SCALED_DEFAULTS
+        if key in cfg or filled or key in ("num_key_value_heads", "head_dim"):
             if cfg.get(key) != value:
                 changed[key] = [_short(cfg.get(key)), _short(value)]
             new[key] = value
     return new, changed
+
+
+#: Class defaults that are scaled down too when the config leaves them out.
+_SCALED_DEFAULTS = (
+    "vocab_size",
+    "intermediate_size",
+    "moe_intermediate_size",
+    "n_routed_experts",
+    "num_attention_heads",
+    "first_k_dense_replace",
+)
 
 
 def _tiny_layer_count(kinds: list[str]) -> tuple[int, int]:

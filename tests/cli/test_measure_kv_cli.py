@@ -113,7 +113,8 @@ def test_human_table_output() -> None:
 
 def test_list_presets() -> None:
     doc = run_json("--list-presets")
-    assert "qwen3-next-80b-a3b" in doc["presets"] and len(doc["presets"]) == 10
+    assert "qwen3-next-80b-a3b" in doc["presets"] and len(doc["presets"]) == 16
+    assert {"llama-4-scout-17b-16e", "falcon-h1-7b-instruct", "lfm2-1.2b"} <= set(doc["presets"])
 
 
 def _bad_config(tmp_path: Path, name: str, **changes) -> str:
@@ -245,3 +246,44 @@ def test_active_params_override() -> None:
     assert seq["recompute_s"] == pytest.approx(2 * 1024 * 1e9 / 400e12)
     result = run("--preset", "llama-3.1-8b", "--active-params-b", "-2")
     assert result.exit_code == 2 and "--active-params-b" in result.stderr
+
+
+def test_engine_vllm_gives_block_rounded_bytes_and_names_its_rules() -> None:
+    doc = run_json(
+        "--preset", "jamba-v0.1", "--codecs", "none", "--engine", "vllm", "--seq", "1000"
+    )
+    assert doc["engine"] == "vllm" and doc["block_size"] == 16 and "vLLM" in doc["engine_rules"]
+    row = doc["requests"][0]
+    assert row["attention_block_size"] == 80 and row["state_page_bytes"] == 327_680
+    assert row["kv_bytes"] == 4 * 13 * 80 * 4096 + 28 * 327_680  # cdiv(1000, 80) = 13 blocks
+    assert doc["budget"]["sequences"][0]["raw_kv_bytes"] == row["kv_bytes"]
+    assert doc["state_dtypes"] == {"conv": "bf16", "recurrent": "bf16"}
+    default = run_json("--preset", "jamba-v0.1", "--codecs", "none", "--seq", "1000")
+    assert default["engine"] == "transformers" and default["block_size"] is None
+    assert default["state_dtypes"] == {"conv": "bf16", "recurrent": "fp32"}
+
+
+def test_empirical_compares_every_tensor_of_a_hybrid_layer() -> None:
+    doc = run_json(
+        "--preset", "falcon-h1-7b-instruct", "--codecs", "none", "--empirical",
+        "--seq", "24", "--empirical-seq", "24",
+    )  # fmt: skip
+    row = doc["empirical"][0]
+    assert row["match"] and row["mismatches"] == []
+    tensors = {t["name"]: t for t in row["layers"][0]["tensors"]}
+    assert set(tensors) == {"keys", "values", "conv", "recurrent"}
+    assert tensors["conv"]["dtype"] == "bf16" and tensors["recurrent"]["dtype"] == "fp32"
+    assert all(t["match"] and t["bytes"] == t["analytic_bytes"] for t in tensors.values())
+
+
+@pytest.mark.parametrize(
+    ("args", "needle"),
+    [
+        (["--engine", "tgi"], "--engine: got 'tgi'"),
+        (["--engine", "vllm", "--block-size", "0"], "--block-size"),
+        (["--engine", "vllm", "--device", "tpu"], "--device"),
+    ],
+)
+def test_bad_engine_options(args: list[str], needle: str) -> None:
+    result = run("--preset", "llama-3.1-8b", "--codecs", "none", *args)
+    assert result.exit_code == 2 and needle in result.stderr

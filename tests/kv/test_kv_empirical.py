@@ -161,15 +161,18 @@ def test_scaled_model_keeps_the_layer_pattern_prefix(name: str) -> None:
 @pytest.mark.parametrize("name", preset_names())
 def test_layer_pattern_matches_what_the_transformers_cache_builds(name: str) -> None:
     """Our hand-written layer rules agree with the function transformers' cache uses."""
-    from transformers import AutoConfig
     from transformers.cache_utils import get_layer_types_and_kwargs
 
-    cfg, model_type = text_config(load_preset(name).config)
-    fields = {k: v for k, v in cfg.items() if k not in ("model_type", "_source")}
-    theirs, kwargs = get_layer_types_and_kwargs(AutoConfig.for_model(model_type, **fields))
-    spec = build_spec(cfg, name=name)
+    from pdx.kv.hfconfig import build_hf_config
+
+    config = load_preset(name).config
+    hf_config, _ = build_hf_config(config)
+    theirs, kwargs = get_layer_types_and_kwargs(hf_config.get_text_config(decoder=True))
+    spec = build_spec(config, name=name)
     hf_name = {"full": "full_attention", "mla": "full_attention", "sliding": "sliding_attention"}
-    hf_name["linear"] = "linear_attention"
-    assert [hf_name[la.kind] for la in spec.layers] == list(theirs)
+    hf_name.update(linear="linear_attention", hybrid="hybrid", none="dummy")
+    by_mixer = {"chunked": "chunked_attention", "short_conv": "conv"}
+    ours = [by_mixer.get(la.mixer, hf_name[la.kind]) for la in spec.layers]
+    assert ours == list(theirs)
     windows = [kw.get("sliding_window") for kw in kwargs]
     assert [la.window_tokens for la in spec.layers] == [w - 1 if w else None for w in windows]

@@ -123,3 +123,13 @@ def test_every_tensor_matches_the_analytic_rule(
     counted = count_cache(_cache(caches, family, dtype, seq), spec, seq)
     assert mismatches(counted) == []
     assert sum(la.bytes for la in counted) == spec.kv_bytes(seq) > 0
+
+
+def test_a_wrong_state_dtype_is_caught_tensor_by_tensor(caches: dict[tuple[str, str], Any]) -> None:
+    """Sizing the SSM state in bf16 (vLLM's default) misses transformers' fp32 state."""
+    family = "falcon_h1_attention_and_mamba2"
+    wrong = build_spec(
+        FAMILIES[family], name="x", dtype="bf16", state_dtype="bf16", allow_torch=True
+    )
+    lines = mismatches(count_cache(_cache(caches, family, "bf16", 13), wrong, 13))
+    assert len(lines) == 2 and all("recurrent: cache fp32" in line for line in lines)

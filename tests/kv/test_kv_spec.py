@@ -24,6 +24,12 @@ GROWING_BF16 = {
     "gpt-oss-120b": 36864,
     "qwen3-next-80b-a3b": 24576,
     "jamba-v0.1": 16384,
+    "llama-4-scout-17b-16e": 12 * 2 * 8 * 128 * 2,  # 12 global layers; 36 chunked ones slide
+    "phi-3-mini-4k-instruct": 0,  # every layer slides (window 2047)
+    "falcon-h1-7b-instruct": 44 * 2 * 2 * 128 * 2,  # attention in every layer, beside Mamba-2
+    "lfm2-1.2b": 6 * 2 * 8 * 64 * 2,
+    "gemma-3-4b-it": 5 * 2 * 4 * 256 * 2,  # heads and head_dim from Gemma3TextConfig
+    "kimi-k2.6": 70272,  # MLA under model_type kimi_k2
 }
 
 
