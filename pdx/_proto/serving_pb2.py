@@ -24,35 +24,41 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x0epdx.serving.v1\"[\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\"x\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdx.serving.v1.SamplingParams\x12\r\n\x05\x63odec\x18\x04 \x01(\t\"\xcd\x01\n\x0cPrefillReply\x12\r\n\x05kv_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x14\n\x0ckv_raw_bytes\x18\x05 \x01(\x04\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12\x10\n\x08store_ms\x18\x07 \x01(\x01\x12\x10\n\x08queue_ms\x18\x08 \x01(\x01\x12\x15\n\rmodel_version\x18\t \x01(\t\x12\r\n\x05\x63odec\x18\n \x01(\t\"e\n\x11PrefillFirstToken\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x15\n\rmodel_version\x18\x04 \x01(\t\"{\n\x0cPrefillEvent\x12\x32\n\x05\x66irst\x18\x01 \x01(\x0b\x32!.pdx.serving.v1.PrefillFirstTokenH\x00\x12.\n\x06stored\x18\x02 \x01(\x0b\x32\x1c.pdx.serving.v1.PrefillReplyH\x00\x42\x07\n\x05\x65vent\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdx.serving.v1.SamplingParams\x12\r\n\x05kv_id\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x05\x12\x17\n\x0fhas_first_token\x18\x07 \x01(\x08\x12\x16\n\x0e\x64\x65grade_reason\x18\x08 \x01(\t\"\xef\x01\n\rGenerateStats\x12\r\n\x05route\x18\x01 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x16\n\x0e\x64\x65grade_reason\x18\x03 \x01(\t\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x0f\n\x07retries\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x18\n\x10local_prefill_ms\x18\x08 \x01(\x01\x12\x15\n\rfirst_step_ms\x18\t \x01(\x01\x12\x18\n\x10transfer_outcome\x18\n \x01(\t\x12\x10\n\x08instance\x18\x0b \x01(\t\"g\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.pdx.serving.v1.GenerateStats\"\x15\n\x13\x44\x65\x63odeStatusRequest\"\xc9\x01\n\x11\x44\x65\x63odeStatusReply\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x11\n\tmax_batch\x18\x04 \x01(\r\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x17\n\x0fkv_budget_bytes\x18\x06 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x07 \x01(\x04\x12\x15\n\rmodel_version\x18\x08 \x01(\t\x12\x10\n\x08instance\x18\t \x01(\t2\xa3\x01\n\x07Prefill\x12G\n\x07Prefill\x12\x1e.pdx.serving.v1.PrefillRequest\x1a\x1c.pdx.serving.v1.PrefillReply\x12O\n\rPrefillStream\x12\x1e.pdx.serving.v1.PrefillRequest\x1a\x1c.pdx.serving.v1.PrefillEvent0\x01\x32\xa8\x01\n\x06\x44\x65\x63ode\x12L\n\x08Generate\x12\x1f.pdx.serving.v1.GenerateRequest\x1a\x1d.pdx.serving.v1.GenerateChunk0\x01\x12P\n\x06Status\x12#.pdx.serving.v1.DecodeStatusRequest\x1a!.pdx.serving.v1.DecodeStatusReplyb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rserving.proto\x12\x0epdx.serving.v1\"\x8b\x03\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\x0c\n\x04seed\x18\x03 \x01(\x04\x12\x12\n\nignore_eos\x18\x04 \x01(\x08\x12\r\n\x05top_p\x18\x05 \x01(\x02\x12\r\n\x05top_k\x18\x06 \x01(\x05\x12\r\n\x05min_p\x18\x07 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x08 \x01(\x02\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\n \x01(\x02\x12\x41\n\nlogit_bias\x18\x0b \x03(\x0b\x32-.pdx.serving.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\x0c \x01(\r\x12\x10\n\x08logprobs\x18\r \x01(\r\x12\x15\n\rwant_logprobs\x18\x0e \x01(\x08\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\"X\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12\x0f\n\x07top_ids\x18\x03 \x03(\x05\x12\x14\n\x0ctop_logprobs\x18\x04 \x03(\x02\"x\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdx.serving.v1.SamplingParams\x12\r\n\x05\x63odec\x18\x04 \x01(\t\"\xcd\x01\n\x0cPrefillReply\x12\r\n\x05kv_id\x18\x01 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x02 \x01(\x05\x12\x13\n\x0bkv_endpoint\x18\x03 \x01(\t\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x14\n\x0ckv_raw_bytes\x18\x05 \x01(\x04\x12\x12\n\nprefill_ms\x18\x06 \x01(\x01\x12\x10\n\x08store_ms\x18\x07 \x01(\x01\x12\x10\n\x08queue_ms\x18\x08 \x01(\x01\x12\x15\n\rmodel_version\x18\t \x01(\t\x12\r\n\x05\x63odec\x18\n \x01(\t\"\x9a\x01\n\x11PrefillFirstToken\x12\x13\n\x0b\x66irst_token\x18\x01 \x01(\x05\x12\x12\n\nprefill_ms\x18\x02 \x01(\x01\x12\x10\n\x08queue_ms\x18\x03 \x01(\x01\x12\x15\n\rmodel_version\x18\x04 \x01(\t\x12\x33\n\rfirst_logprob\x18\x05 \x01(\x0b\x32\x1c.pdx.serving.v1.TokenLogprob\"{\n\x0cPrefillEvent\x12\x32\n\x05\x66irst\x18\x01 \x01(\x0b\x32!.pdx.serving.v1.PrefillFirstTokenH\x00\x12.\n\x06stored\x18\x02 \x01(\x0b\x32\x1c.pdx.serving.v1.PrefillReplyH\x00\x42\x07\n\x05\x65vent\"\xdb\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x30\n\x08sampling\x18\x03 \x01(\x0b\x32\x1e.pdx.serving.v1.SamplingParams\x12\r\n\x05kv_id\x18\x04 \x01(\t\x12\x13\n\x0bkv_endpoint\x18\x05 \x01(\t\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\x05\x12\x17\n\x0fhas_first_token\x18\x07 \x01(\x08\x12\x16\n\x0e\x64\x65grade_reason\x18\x08 \x01(\t\"\xef\x01\n\rGenerateStats\x12\r\n\x05route\x18\x01 \x01(\t\x12\x10\n\x08\x64\x65graded\x18\x02 \x01(\x08\x12\x16\n\x0e\x64\x65grade_reason\x18\x03 \x01(\t\x12\x10\n\x08kv_bytes\x18\x04 \x01(\x04\x12\x13\n\x0btransfer_ms\x18\x05 \x01(\x01\x12\x0f\n\x07retries\x18\x06 \x01(\r\x12\x10\n\x08queue_ms\x18\x07 \x01(\x01\x12\x18\n\x10local_prefill_ms\x18\x08 \x01(\x01\x12\x15\n\rfirst_step_ms\x18\t \x01(\x01\x12\x18\n\x10transfer_outcome\x18\n \x01(\t\x12\x10\n\x08instance\x18\x0b \x01(\t\"\x97\x01\n\rGenerateChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x15\n\rfinish_reason\x18\x02 \x01(\t\x12,\n\x05stats\x18\x03 \x01(\x0b\x32\x1d.pdx.serving.v1.GenerateStats\x12.\n\x08logprobs\x18\x04 \x03(\x0b\x32\x1c.pdx.serving.v1.TokenLogprob\"\x15\n\x13\x44\x65\x63odeStatusRequest\"\x91\x02\n\x11\x44\x65\x63odeStatusReply\x12\x0f\n\x07healthy\x18\x01 \x01(\x08\x12\x13\n\x0bqueue_depth\x18\x02 \x01(\r\x12\x0f\n\x07running\x18\x03 \x01(\r\x12\x11\n\tmax_batch\x18\x04 \x01(\r\x12\x11\n\tmax_queue\x18\x05 \x01(\r\x12\x17\n\x0fkv_budget_bytes\x18\x06 \x01(\x04\x12\x15\n\rkv_free_bytes\x18\x07 \x01(\x04\x12\x15\n\rmodel_version\x18\x08 \x01(\t\x12\x10\n\x08instance\x18\t \x01(\t\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x1a\n\x12max_context_tokens\x18\x0b \x01(\r\x12\x16\n\x0eprefill_tflops\x18\x0c \x01(\x01\x32\xa3\x01\n\x07Prefill\x12G\n\x07Prefill\x12\x1e.pdx.serving.v1.PrefillRequest\x1a\x1c.pdx.serving.v1.PrefillReply\x12O\n\rPrefillStream\x12\x1e.pdx.serving.v1.PrefillRequest\x1a\x1c.pdx.serving.v1.PrefillEvent0\x01\x32\xa8\x01\n\x06\x44\x65\x63ode\x12L\n\x08Generate\x12\x1f.pdx.serving.v1.GenerateRequest\x1a\x1d.pdx.serving.v1.GenerateChunk0\x01\x12P\n\x06Status\x12#.pdx.serving.v1.DecodeStatusRequest\x1a!.pdx.serving.v1.DecodeStatusReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'serving_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_SAMPLINGPARAMS']._serialized_start=33
-  _globals['_SAMPLINGPARAMS']._serialized_end=124
-  _globals['_PREFILLREQUEST']._serialized_start=126
-  _globals['_PREFILLREQUEST']._serialized_end=246
-  _globals['_PREFILLREPLY']._serialized_start=249
-  _globals['_PREFILLREPLY']._serialized_end=454
-  _globals['_PREFILLFIRSTTOKEN']._serialized_start=456
-  _globals['_PREFILLFIRSTTOKEN']._serialized_end=557
-  _globals['_PREFILLEVENT']._serialized_start=559
-  _globals['_PREFILLEVENT']._serialized_end=682
-  _globals['_GENERATEREQUEST']._serialized_start=685
-  _globals['_GENERATEREQUEST']._serialized_end=904
-  _globals['_GENERATESTATS']._serialized_start=907
-  _globals['_GENERATESTATS']._serialized_end=1146
-  _globals['_GENERATECHUNK']._serialized_start=1148
-  _globals['_GENERATECHUNK']._serialized_end=1251
-  _globals['_DECODESTATUSREQUEST']._serialized_start=1253
-  _globals['_DECODESTATUSREQUEST']._serialized_end=1274
-  _globals['_DECODESTATUSREPLY']._serialized_start=1277
-  _globals['_DECODESTATUSREPLY']._serialized_end=1478
-  _globals['_PREFILL']._serialized_start=1481
-  _globals['_PREFILL']._serialized_end=1644
-  _globals['_DECODE']._serialized_start=1647
-  _globals['_DECODE']._serialized_end=1815
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
+  _globals['_SAMPLINGPARAMS']._serialized_start=34
+  _globals['_SAMPLINGPARAMS']._serialized_end=429
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=381
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=429
+  _globals['_TOKENLOGPROB']._serialized_start=431
+  _globals['_TOKENLOGPROB']._serialized_end=519
+  _globals['_PREFILLREQUEST']._serialized_start=521
+  _globals['_PREFILLREQUEST']._serialized_end=641
+  _globals['_PREFILLREPLY']._serialized_start=644
+  _globals['_PREFILLREPLY']._serialized_end=849
+  _globals['_PREFILLFIRSTTOKEN']._serialized_start=852
+  _globals['_PREFILLFIRSTTOKEN']._serialized_end=1006
+  _globals['_PREFILLEVENT']._serialized_start=1008
+  _globals['_PREFILLEVENT']._serialized_end=1131
+  _globals['_GENERATEREQUEST']._serialized_start=1134
+  _globals['_GENERATEREQUEST']._serialized_end=1353
+  _globals['_GENERATESTATS']._serialized_start=1356
+  _globals['_GENERATESTATS']._serialized_end=1595
+  _globals['_GENERATECHUNK']._serialized_start=1598
+  _globals['_GENERATECHUNK']._serialized_end=1749
+  _globals['_DECODESTATUSREQUEST']._serialized_start=1751
+  _globals['_DECODESTATUSREQUEST']._serialized_end=1772
+  _globals['_DECODESTATUSREPLY']._serialized_start=1775
+  _globals['_DECODESTATUSREPLY']._serialized_end=2048
+  _globals['_PREFILL']._serialized_start=2051
+  _globals['_PREFILL']._serialized_end=2214
+  _globals['_DECODE']._serialized_start=2217
+  _globals['_DECODE']._serialized_end=2385
 # @@protoc_insertion_point(module_scope)

@@ -7,16 +7,55 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "seed", "ignore_eos")
+    __slots__ = ("max_tokens", "temperature", "seed", "ignore_eos", "top_p", "top_k", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "want_logprobs")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    WANT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     seed: int
     ignore_eos: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
+    top_p: float
+    top_k: int
+    min_p: float
+    frequency_penalty: float
+    presence_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    logprobs: int
+    want_logprobs: bool
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., seed: _Optional[int] = ..., ignore_eos: _Optional[bool] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[int] = ..., want_logprobs: _Optional[bool] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "logprob", "top_ids", "top_logprobs")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "codec")
@@ -55,16 +94,18 @@ class PrefillReply(_message.Message):
     def __init__(self, kv_id: _Optional[str] = ..., first_token: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_raw_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., model_version: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
-    __slots__ = ("first_token", "prefill_ms", "queue_ms", "model_version")
+    __slots__ = ("first_token", "prefill_ms", "queue_ms", "model_version", "first_logprob")
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    FIRST_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     first_token: int
     prefill_ms: float
     queue_ms: float
     model_version: str
-    def __init__(self, first_token: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., model_version: _Optional[str] = ...) -> None: ...
+    first_logprob: TokenLogprob
+    def __init__(self, first_token: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., model_version: _Optional[str] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
 class PrefillEvent(_message.Message):
     __slots__ = ("first", "stored")
@@ -121,21 +162,23 @@ class GenerateStats(_message.Message):
     def __init__(self, route: _Optional[str] = ..., degraded: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., retries: _Optional[int] = ..., queue_ms: _Optional[float] = ..., local_prefill_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., transfer_outcome: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("token_ids", "finish_reason", "stats")
+    __slots__ = ("token_ids", "finish_reason", "stats", "logprobs")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     STATS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: str
     stats: GenerateStats
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerateStats, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class DecodeStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class DecodeStatusReply(_message.Message):
-    __slots__ = ("healthy", "queue_depth", "running", "max_batch", "max_queue", "kv_budget_bytes", "kv_free_bytes", "model_version", "instance")
+    __slots__ = ("healthy", "queue_depth", "running", "max_batch", "max_queue", "kv_budget_bytes", "kv_free_bytes", "model_version", "instance", "vocab_size", "max_context_tokens", "prefill_tflops")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +188,9 @@ class DecodeStatusReply(_message.Message):
     KV_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TFLOPS_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     queue_depth: int
     running: int
@@ -154,4 +200,7 @@ class DecodeStatusReply(_message.Message):
     kv_free_bytes: int
     model_version: str
     instance: str
-    def __init__(self, healthy: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., model_version: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+    vocab_size: int
+    max_context_tokens: int
+    prefill_tflops: float
+    def __init__(self, healthy: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., model_version: _Optional[str] = ..., instance: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., prefill_tflops: _Optional[float] = ...) -> None: ...

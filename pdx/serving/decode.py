@@ -25,15 +25,16 @@ from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.errors import PdxError
 from pdx.serving.backends.base import KVState, ModelBackend
 from pdx.serving.backends.kvwire import decode_kv
-from pdx.serving.backends.sampling import pick_token
+from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
 from pdx.serving.deploy_config import DecodeConfig, DeployConfig, NodeOptions
 from pdx.serving.kv_settings import kv_client_config
 from pdx.serving.node import run_child
 from pdx.serving.prefill import check_prompt
 from pdx.serving.rpc import create_server, set_serving, start_health_server
 from pdx.tls import tls_for
+from pdx.transfer.audit import AuditLog
 from pdx.transfer.client import KVClient
-from pdx.transfer.contract import KVError
+from pdx.transfer.contract import KVError, KVErrorCode
 
 log = logging.getLogger("pdx.decode")
 
@@ -91,6 +92,8 @@ class Sequence:
     error: str = ""
     stats: serving_pb2.GenerateStats = field(default_factory=serving_pb2.GenerateStats)
     release_due: bool = False  # fetched KV rebuilt here; the store may be told to delete it
+    kv_released: bool = False  # a Release for the request's kv_id was sent (or is being sent)
+    logprobs: list[serving_pb2.TokenLogprob | None] = field(default_factory=list)  # per token
 
     @property
     def prompt(self) -> list[int]:
@@ -182,15 +185,27 @@ class DecodeEngine:
             seq.state = new_states[row]
             if not seq.stats.first_step_ms:
                 seq.stats.first_step_ms = step_ms
-            sp = seq.request.sampling
-            position = len(seq.request.prompt_token_ids) + len(seq.tokens)
-            token = pick_token(logits[row], sp.temperature, sp.seed, position)
-            self.emit(seq, token)
+            try:
+                picked = self.pick(seq, logits[row])
+            except Exception as exc:  # one sequence's sampling must not end the whole batch
+                log.warning("sampling failed for %s: %s", seq.request.request_id, exc)
+                self._fail([seq], f"sampling failed: {exc}")
+                continue
+            self.emit(seq, picked.token, picked.message())
         self.running = [s for s in self.running if not s.finish_reason and not s.cancelled]
 
-    def emit(self, seq: Sequence, token: int) -> None:
+    def pick(self, seq: Sequence, logits: Any) -> Picked:
+        """The next token of ``seq`` under its sampling parameters."""
+        sampling = Sampling.from_proto(seq.request.sampling)
+        return choose(logits, sampling, prompt=seq.prompt, output=seq.tokens,
+                      eos_token_id=self.backend.eos_token_id)  # fmt: skip
+
+    def emit(
+        self, seq: Sequence, token: int, logprob: serving_pb2.TokenLogprob | None = None
+    ) -> None:
         """Record a generated token, decide whether the sequence is finished, hand it out."""
         seq.tokens.append(token)
+        seq.logprobs.append(logprob)
         sp = seq.request.sampling
         if not sp.ignore_eos and token == self.backend.eos_token_id:
             seq.finish_reason = "stop"
@@ -205,11 +220,20 @@ class DecodeEngine:
 class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     """gRPC Decode: admission, KV fetch or local prefill, then tokens from the engine."""
 
-    def __init__(self, engine: DecodeEngine, kv: KVSource) -> None:
+    def __init__(
+        self,
+        engine: DecodeEngine,
+        kv: KVSource,
+        *,
+        records: AuditLog | None = None,
+        kv_load_failure_policy: str = "degrade",
+    ) -> None:
         self.engine = engine
         self.kv = kv
         self.fetching = 0
         self._background: set[asyncio.Task[None]] = set()
+        self.records = records  # one line per request: which KV it consumed, how it ended
+        self.kv_load_failure_policy = kv_load_failure_policy
 
     async def Status(
         self, request: serving_pb2.DecodeStatusRequest, context: grpc.aio.ServicerContext
@@ -226,6 +250,9 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             kv_free_bytes=max(0, e.cfg.kv_budget_bytes - e.resident_bytes),
             model_version=e.backend.model_version,
             instance=e.instance,
+            vocab_size=e.backend.vocab_size,
+            max_context_tokens=e.backend.max_context_tokens,
+            prefill_tflops=e.backend.prefill_tflops,
         )
 
     async def Generate(
@@ -237,7 +264,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "decode queue full")
         problem = check_prompt(
             list(request.prompt_token_ids), e.backend, request.sampling.max_tokens
-        )
+        ) or sampling_problem(request.sampling, e.backend.vocab_size)
         if problem or request.sampling.max_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem or "max_tokens < 1")
         seq = Sequence(request=request)
@@ -250,6 +277,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             await context.abort(grpc.StatusCode.INTERNAL, str(exc))
         finally:
             self._release_if_due(seq)  # also when the request ended early
+            self._release_unused(seq)
+            self._record(seq)
             seq.cancelled = not seq.finish_reason
             seq.state = None
             e.admitted -= 1
@@ -261,6 +290,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             seq.out.get_nowait()  # sent right here, before the KV arrives
             yield serving_pb2.GenerateChunk(token_ids=[req.first_token])
         if seq.finish_reason and req.kv_id:  # max_tokens 1: prefill's token was all of it
+            seq.kv_released = True
             with contextlib.suppress(KVError):
                 await self.kv.release(req.kv_endpoint, req.kv_id)
         elif not seq.finish_reason:
@@ -268,8 +298,12 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         seq.stats.queue_ms = (time.perf_counter() - arrived) * 1e3
         if not seq.finish_reason:
             self.engine.join(seq)
+        sent = 1 if req.has_first_token else 0
         while (token := await seq.out.get()) is not None:
-            yield serving_pb2.GenerateChunk(token_ids=[token])
+            logprob = seq.logprobs[sent] if sent < len(seq.logprobs) else None
+            sent += 1
+            lps = [logprob] if logprob else []
+            yield serving_pb2.GenerateChunk(token_ids=[token], logprobs=lps)
             self._release_if_due(seq)
         if seq.error:
             raise DecodeFailed(seq.error)
@@ -285,17 +319,28 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             except KVError as exc:
                 st.transfer_outcome = exc.code.value
                 st.retries = exc.retries
-                self._degrade(seq, exc.code.value)
+                self._kv_load_failed(seq, exc.code.value)
             except PdxError as exc:  # fetched, but not usable as this model's KV
                 reason = exc.reason if isinstance(exc, KVUnusable) else "kv_unusable"
                 log.warning("KV %s unusable (%s): %s", req.kv_id, reason, exc)
                 st.transfer_outcome = reason
-                self._degrade(seq, reason)
+                self._kv_load_failed(seq, reason)
         else:
             st.route = "local"
             if req.degrade_reason:
                 self._degrade(seq, req.degrade_reason)
         await self._local_prefill(seq)
+
+    def _kv_load_failed(self, seq: Sequence, reason: str) -> None:
+        """Shipped KV cannot be used: degrade (said so), or recompute quietly if configured."""
+        if self.kv_load_failure_policy != "recompute":
+            self._degrade(seq, reason)
+            return
+        # As vLLM's kv_load_failure_policy=recompute looks to a router: the request keeps its
+        # disaggregated label and no transfer failure is reported; only decode's own figures
+        # (no KV bytes read, a local prefill) show it. Never the default.
+        log.warning("KV %s not loaded (%s): recomputing quietly", seq.request.kv_id, reason)
+        seq.stats.transfer_outcome, seq.stats.retries, seq.stats.kv_bytes = "", 0, 0
 
     def _degrade(self, seq: Sequence, reason: str) -> None:
         seq.stats.degraded = True
@@ -325,12 +370,61 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     def _release_if_due(self, seq: Sequence) -> None:
         if seq.release_due:
             seq.release_due = False
+            seq.kv_released = True
             self._spawn(self._release(seq.request.kv_endpoint, seq.request.kv_id))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._background.add(task)  # held until done: the loop keeps only weak references
         task.add_done_callback(self._background.discard)
+
+    def _release_unused(self, seq: Sequence) -> None:
+        """The request ended without releasing its KV (failed, degraded, cancelled): release it.
+
+        Otherwise the store holds it until its TTL (stranded KV). Retried in the background
+        while the store cannot be reached (a link cut), until it answers or the TTL maximum.
+        """
+        req = seq.request
+        if req.kv_id and not seq.kv_released:
+            seq.kv_released = True
+            self._spawn(self._release_until_done(req.kv_endpoint, req.kv_id))
+
+    async def _release_until_done(
+        self, endpoint: str, kv_id: str, give_up_s: float = 300.0
+    ) -> None:
+        gone = (KVErrorCode.KV_NOT_FOUND, KVErrorCode.KV_EXPIRED)
+        delay, t0 = 0.2, time.monotonic()
+        while time.monotonic() - t0 < give_up_s:
+            try:
+                await self.kv.release(endpoint, kv_id)
+                return
+            except KVError as exc:
+                if exc.code in gone:
+                    return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 2.0)
+
+    def _record(self, seq: Sequence) -> None:
+        """Decode's own per-request record (kv.audit_dir): the KV it consumed, how it ended."""
+        if self.records is None:
+            return
+        req, st = seq.request, seq.stats
+        used_kv = st.kv_bytes > 0 and not st.local_prefill_ms
+        self.records.record(
+            "request",
+            request_id=req.request_id,
+            kv_id=req.kv_id or None,
+            route=st.route,
+            degraded=st.degraded,
+            transfer_outcome=st.transfer_outcome or None,
+            kv_bytes=st.kv_bytes,
+            prompt_tokens=len(req.prompt_token_ids),
+            prompt_tokens_from_kv=len(req.prompt_token_ids) if used_kv else 0,
+            local_prefill=bool(st.local_prefill_ms),
+            outcome="finished" if seq.finish_reason else ("failed" if seq.error else "cancelled"),
+            tokens=len(seq.tokens),
+            kv_released=seq.kv_released,
+        )
 
     async def _release(self, endpoint: str, kv_id: str) -> None:
         with contextlib.suppress(KVError):
@@ -354,8 +448,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         seq.state, logits = await e.run_model(e.backend.prefill, prompt)
         seq.stats.local_prefill_ms = (time.perf_counter() - t0) * 1e3
         if not seq.tokens:
-            sp = seq.request.sampling
-            e.emit(seq, pick_token(logits, sp.temperature, sp.seed, len(prompt)))
+            picked = e.pick(seq, logits)
+            e.emit(seq, picked.token, picked.message())
         if seq.finish_reason:
             seq.state = None
 
@@ -430,7 +524,13 @@ class DecodeNode:
         port = opts.pick_port(dc.port, opts.port)
         node.server, node.port, health = create_server(host, port, tls_for(opts.cert_dir, "decode"))
         serving_pb2_grpc.add_DecodeServicer_to_server(
-            DecodeServicer(node.engine, node.source), node.server
+            DecodeServicer(
+                node.engine,
+                node.source,
+                records=_records_log(cfg, opts),
+                kv_load_failure_policy=dc.kv_load_failure_policy,
+            ),
+            node.server,
         )
         await node.server.start()
         await set_serving(health, "pdx.serving.v1.Decode")
@@ -459,6 +559,13 @@ class DecodeNode:
             await self.engine.stop()
         if self.source is not None:
             await self.source.close()
+
+
+def _records_log(cfg: DeployConfig, opts: NodeOptions) -> AuditLog | None:
+    """Per-request records under ``kv.audit_dir`` (none when it is unset)."""
+    if cfg.kv.audit_dir is None:
+        return None
+    return AuditLog(cfg.kv.audit_dir / f"decode-{opts.index}-requests.jsonl", keep_in_memory=0)
 
 
 def main() -> None:

@@ -15,9 +15,11 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdx.config import build_config, read_yaml
+from pdx.errors import PdxError
 from pdx.serving.backends.base import BackendConfig
 
 _Strict = ConfigDict(extra="forbid")
+DEFAULT_LINK_GBPS = 10.0  # the link assumed for the local-prefill break-even when none is set
 
 
 class TLSConfig(BaseModel):
@@ -52,6 +54,11 @@ class KVConfig(BaseModel):
     )
     proxy_control_host: str = Field(
         "127.0.0.1", description="where the fault proxy's HTTP control API listens"
+    )
+    audit_dir: Path | None = Field(
+        None,
+        description="append each KV store's audit log (kv-store-prefill-<i>.jsonl) and each "
+        "decode's per-request KV records (decode-<i>-requests.jsonl) here; unset = in memory",
     )
 
     @model_validator(mode="after")
@@ -98,6 +105,12 @@ class DecodeConfig(BaseModel):
     max_queue: int = Field(16, ge=0)
     kv_budget_bytes: int = Field(512 * 1024**2, gt=0)
     netns: str | None = Field(None, description="run inside this network namespace (root)")
+    kv_load_failure_policy: Literal["degrade", "recompute"] = Field(
+        "degrade",
+        description="shipped KV that cannot be loaded: degrade = prefill locally, reported "
+        "degraded; recompute = prefill locally and keep the disaggregated label, as vLLM's "
+        "policy of that name looks to a router (a silent fallback, for testing the gate)",
+    )
 
 
 class RouterConfig(BaseModel):
@@ -107,10 +120,12 @@ class RouterConfig(BaseModel):
     local_prefill_max_tokens: int | None = Field(
         None,
         ge=0,
-        description="prompts shorter than this prefill on decode; default: measure-kv "
-        "break-even (needs link_gbps and a measure-kv preset model), else 1024",
+        description="prompts shorter than this prefill on decode; default: measure-kv's "
+        "transfer-vs-recompute break-even for the deployed model and link",
     )
-    link_gbps: float | None = Field(None, gt=0, description="link speed for the break-even")
+    link_gbps: float | None = Field(
+        None, gt=0, description=f"link speed for the break-even (null: {DEFAULT_LINK_GBPS})"
+    )
     transfer_overhead_ms: float = Field(1.0, ge=0, description="fixed cost per KV transfer")
     degrade_p99_ms: float = Field(50.0, gt=0)
     success_rate_threshold: float = Field(0.999, gt=0, le=1)
@@ -131,6 +146,19 @@ class GatewayConfig(BaseModel):
     default_max_tokens: int = Field(16, ge=1)
     request_timeout_s: float = Field(120.0, gt=0)
     retry_after_s: int = Field(1, ge=1)
+    served_model_name: str | None = Field(
+        None,
+        min_length=1,
+        description="the model's name in the API (default: preset or checkpoint)",
+    )
+    model_aliases: list[str] = Field(
+        default_factory=list, description="more names the API accepts for the same model"
+    )
+    idle_timeout_s: float = Field(
+        15.0, gt=0, description="close a connection idle (or with incomplete headers) this long"
+    )
+    body_timeout_s: float = Field(30.0, gt=0, description="deadline for a request body to arrive")
+    max_body_bytes: int = Field(16 * 1024**2, ge=1024, description="larger bodies get 413")
 
 
 class SupervisorConfig(BaseModel):
@@ -272,40 +300,65 @@ def to_yaml(cfg: DeployConfig) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
-DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 1024
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = 1024  # when the model's KV layout is unknown
+NEVER_SHIP = 2**31 - 1  # the break-even says a transfer never beats recomputing
 
 
-def local_prefill_threshold(cfg: DeployConfig) -> int:
+def local_prefill_threshold(cfg: DeployConfig, prefill_tflops: float | None = None) -> int:
     """Prompt length below which decode prefills locally.
 
     The configured value; else measure-kv's transfer-vs-recompute break-even for the model
-    (a measure-kv preset, with ``router.link_gbps`` and ``model.prefill_tflops``); else 1024.
+    and link (``router.link_gbps``, default 10 Gbit/s; the prefill speed measured on decode
+    when given, else ``model.prefill_tflops``); 1024 when the model's KV layout is unknown.
     """
     if cfg.router.local_prefill_max_tokens is not None:
         return cfg.router.local_prefill_max_tokens
-    seq = break_even_tokens(cfg)
-    return seq if seq is not None else DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+    config = model_config_json(cfg)
+    if config is None:
+        return DEFAULT_LOCAL_PREFILL_MAX_TOKENS
+    seq = break_even_tokens(cfg, config, prefill_tflops)
+    return seq if seq is not None else NEVER_SHIP
 
 
-def break_even_tokens(cfg: DeployConfig) -> int | None:
-    """measure-kv's break-even prompt length for this model and link, or None if unknown."""
+def model_config_json(cfg: DeployConfig) -> dict[str, Any] | None:
+    """The served model's ``config.json`` (checkpoint, tiny preset or measure-kv preset)."""
     import json
     from importlib import resources
 
-    if cfg.router.link_gbps is None:
-        return None
+    from pdx.serving.backends.presets import TINY_PRESETS, tiny_config_json
+
+    if cfg.model.checkpoint:
+        path = Path(cfg.model.checkpoint) / "config.json"
+        try:
+            data: dict[str, Any] = json.loads(path.read_text())
+            return data
+        except (OSError, ValueError):
+            return None
+    if cfg.model.preset in TINY_PRESETS:
+        return tiny_config_json(cfg.model.preset)
     try:
         text = resources.files("pdx.kv.presets").joinpath(f"{cfg.model.preset}.json").read_text()
     except (FileNotFoundError, ModuleNotFoundError):
         return None
+    preset: dict[str, Any] = json.loads(text)
+    return preset
+
+
+def break_even_tokens(
+    cfg: DeployConfig, config: dict[str, Any], prefill_tflops: float | None = None
+) -> int | None:
+    """measure-kv's break-even prompt length for this model and link (None: never ships)."""
     from pdx.kv.budget import LinkParams, break_even_seq
     from pdx.kv.spec import build_spec
 
-    spec = build_spec(json.loads(text), name=cfg.model.preset)
+    try:
+        spec = build_spec(config, name=cfg.model.checkpoint or cfg.model.preset)
+    except (PdxError, KeyError, TypeError, ValueError):  # measure-kv cannot size it
+        return None
     link = LinkParams(
         qps=1.0,
-        link_gbps=cfg.router.link_gbps,
-        prefill_tflops=cfg.model.prefill_tflops,
+        link_gbps=cfg.router.link_gbps or DEFAULT_LINK_GBPS,
+        prefill_tflops=prefill_tflops or cfg.model.prefill_tflops,
         transfer_overhead_ms=cfg.router.transfer_overhead_ms,
     )
     return break_even_seq(spec, 1.0, link)

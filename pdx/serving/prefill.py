@@ -23,7 +23,7 @@ import grpc
 from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.serving.backends.base import KVState, ModelBackend
 from pdx.serving.backends.kvwire import EncodedKV, encode_kv
-from pdx.serving.backends.sampling import pick_token
+from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
 from pdx.serving.deploy_config import DeployConfig, KVConfig, NodeOptions, PrefillConfig
 from pdx.serving.kv_settings import dialable, kv_client_config, kv_store_config
 from pdx.serving.node import run_child
@@ -90,6 +90,7 @@ class Prefilled:
     prefill_ms: float
     queue_ms: float
     done_at: float  # perf_counter() when the model finished
+    first_logprob: serving_pb2.TokenLogprob | None = None
 
     def first_event(self, backend: ModelBackend) -> serving_pb2.PrefillFirstToken:
         """The first PrefillStream event."""
@@ -98,15 +99,17 @@ class Prefilled:
             prefill_ms=self.prefill_ms,
             queue_ms=self.queue_ms,
             model_version=backend.model_version,
+            first_logprob=self.first_logprob,
         )
 
 
 def _prefill_and_pick(
-    backend: ModelBackend, ids: list[int], temperature: float, seed: int
-) -> tuple[KVState, int]:
+    backend: ModelBackend, ids: list[int], sampling: Sampling
+) -> tuple[KVState, Picked]:
     # Sampling on the model thread saves one event-loop round trip before the first token.
     state, logits = backend.prefill(ids)
-    return state, pick_token(logits, temperature, seed, len(ids))
+    eos = backend.eos_token_id
+    return state, choose(logits, sampling, prompt=ids, output=[], eos_token_id=eos)
 
 
 class PrefillServicer(serving_pb2_grpc.PrefillServicer):
@@ -174,7 +177,9 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         if self._waiting >= self.cfg.max_queue + self.cfg.max_inflight:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "prefill queue full")
         ids = list(request.token_ids)
-        problem = check_prompt(ids, self.backend, 0)
+        problem = check_prompt(ids, self.backend, 0) or sampling_problem(
+            request.sampling, self.backend.vocab_size
+        )
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
         return ids
@@ -183,12 +188,13 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         self, request: serving_pb2.PrefillRequest, ids: list[int], arrived: float
     ) -> Prefilled:
         started = time.perf_counter()
-        s = request.sampling
+        sampling = Sampling.from_proto(request.sampling)
         state, first = await asyncio.get_running_loop().run_in_executor(
-            self._model, _prefill_and_pick, self.backend, ids, s.temperature, s.seed
+            self._model, _prefill_and_pick, self.backend, ids, sampling
         )
         done = time.perf_counter()
-        return Prefilled(state, first, (done - started) * 1e3, (started - arrived) * 1e3, done)
+        queue_ms, prefill_ms = (started - arrived) * 1e3, (done - started) * 1e3
+        return Prefilled(state, first.token, prefill_ms, queue_ms, done, first.message())
 
     def _encode(
         self, request: serving_pb2.PrefillRequest, done: Prefilled

@@ -185,7 +185,8 @@ async def test_pdx_deploy_serves_survives_a_killed_decode_and_stops_cleanly() ->
         assert events[-1] == "[DONE]"
         error = events[-2]["error"]
         assert (
-            error["type"] == "decode_failed"
+            error["type"] == "server_error"
+            and error["code"] == "decode_failed"
             and "decode instance decode-0 failed" in (error["message"])
         )
         assert 5 <= tokens < 900

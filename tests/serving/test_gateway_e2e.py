@@ -137,19 +137,20 @@ async def read_sse(resp: aiohttp.ClientResponse) -> list[Any]:
 async def test_streaming_sse_matches_non_streaming(deployment: Deployment) -> None:
     _, whole, _ = await complete(deployment, **body("disaggregated", 12))
     url = deployment.endpoints().gateway + "/v1/completions"
-    request = body("disaggregated", 12, stream=True)
+    request = body("disaggregated", 12, stream=True, stream_options={"include_usage": True})
     async with aiohttp.ClientSession() as s, s.post(url, json=request) as r:
         assert r.status == 200
         assert r.headers["Content-Type"].startswith("text/event-stream")
         events = await read_sse(r)
     assert events[-1] == "[DONE]"
-    chunks = events[:-1]
+    chunks, usage_chunk = events[:-2], events[-2]
     ids = [t for c in chunks for t in c["choices"][0].get("token_ids", [])]
     assert ids == whole["choices"][0]["token_ids"]
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
     last = chunks[-1]
     assert last["choices"][0]["finish_reason"] == "length"
-    assert last["usage"]["completion_tokens"] == 12
+    assert all(c["usage"] is None for c in chunks)  # as OpenAI: null until the usage chunk
+    assert usage_chunk["choices"] == [] and usage_chunk["usage"]["completion_tokens"] == 12
     assert last["pdx"]["route"] == "disaggregated"
 
 
@@ -168,8 +169,10 @@ async def test_streaming_sse_matches_non_streaming(deployment: Deployment) -> No
         (json.dumps({"prompt": "hi", "pdx_route": "sideways"}).encode(), "pdx_route"),
         (json.dumps({"prompt": "hi", "pdx_kv_codec": "gzip"}).encode(), "pdx_kv_codec"),
         (json.dumps({"prompt": "hi", "temperature": -1}).encode(), "temperature"),
-        (json.dumps({"prompt": "hi", "n": 2}).encode(), "n: got 2, only 1"),
-        (json.dumps({"prompt": "hi", "stop": ["\n"]}).encode(), "stop"),
+        (json.dumps({"prompt": "hi", "n": 0}).encode(), "n"),
+        (json.dumps({"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}).encode(), "stop"),
+        (json.dumps({"prompt": "hi", "suffix": "x"}).encode(), "suffix"),
+        (json.dumps({"prompt": "hi", "frobnicate": 1}).encode(), "frobnicate"),
     ],
 )  # fmt: skip
 async def test_bad_requests_get_400_with_a_message(
@@ -179,7 +182,9 @@ async def test_bad_requests_get_400_with_a_message(
     async with aiohttp.ClientSession() as s, s.post(url, data=payload) as r:
         assert r.status == 400
         err = (await r.json())["error"]
-    assert field in err["message"] and err["code"] == 400
+    assert field in err["message"] and err["type"] == "invalid_request_error"
+    assert err["code"] is None or isinstance(err["code"], str)
+    assert set(err) == {"message", "type", "param", "code"}
 
 
 async def test_kv_link_cut_degrades_to_local_counted_and_correct(
@@ -249,7 +254,8 @@ async def test_health_ready_models_and_chat(deployment: Deployment) -> None:
         async with s.get(gw + "/v1/models") as r:
             assert (await r.json())["data"][0]["max_model_len"] == 1024
         async with s.post(gw + "/v1/chat/completions", json={"messages": []}) as r:
-            assert r.status == 400 and "chat template" in (await r.json())["error"]["message"]
+            err = (await r.json())["error"]
+            assert r.status == 400 and err["param"] == "messages"
 
 
 async def test_single_token_request_is_served_by_prefill_alone(deployment: Deployment) -> None:

@@ -108,10 +108,17 @@ def test_failed_probe_reopens() -> None:
     assert br.state == "open" and br.reason == "probe_failed"
 
 
-def test_local_threshold_defaults_to_1024_then_measure_kv_break_even() -> None:
-    from pdx.serving.deploy_config import load_deploy_config, local_prefill_threshold
+def test_local_threshold_is_the_measure_kv_break_even_of_the_deployed_model() -> None:
+    from pdx.serving.deploy_config import NEVER_SHIP, load_deploy_config, local_prefill_threshold
 
-    assert local_prefill_threshold(load_deploy_config()) == 1024
+    tiny = load_deploy_config()
+    # At the configured 50 TFLOP/s a 100k-parameter model recomputes faster than any transfer;
+    # at what a CPU measures for it (0.01 TFLOP/s) a prompt of a few dozen tokens ships.
+    assert local_prefill_threshold(tiny) == NEVER_SHIP
+    measured = local_prefill_threshold(tiny, prefill_tflops=0.01)
+    assert 20 < measured < 200
+    unknown = load_deploy_config(dotted=["model.backend=synthetic", "model.preset=nosuch"])
+    assert local_prefill_threshold(unknown) == 1024
     assert (
         local_prefill_threshold(load_deploy_config(dotted=["router.local_prefill_max_tokens=7"]))
         == 7

@@ -81,6 +81,15 @@ class ModelBackend(ABC):
         """End-of-sequence id, if the model has one."""
         return None
 
+    @property
+    def prefill_tflops(self) -> float:
+        """Effective prefill speed (2 × tokens × parameters / s, in TFLOP/s); 0 = unknown.
+
+        The router's transfer-vs-recompute break-even uses it for the default
+        ``local_prefill_max_tokens``.
+        """
+        return 0.0
+
     @abstractmethod
     def prefill(self, token_ids: list[int]) -> tuple[KVState, torch.Tensor]:
         """Run the prompt; return its KV and the logits of the next token (1-D)."""

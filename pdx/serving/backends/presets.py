@@ -54,3 +54,12 @@ def tiny_preset_config(preset: str) -> dict[str, Any]:
 def tiny_config_json(preset: str) -> dict[str, Any]:
     """The preset as a ``config.json``-style dict (with ``model_type``), for measure-kv."""
     return {"model_type": TINY_MODEL_TYPE, **tiny_preset_config(preset)}
+
+
+# The chat template of every tiny preset (a Jinja2 template, as Hugging Face tokenizers carry
+# them): role markers around each message, then the assistant marker for the reply. With the
+# byte-level tokenizer the markers are plain bytes, so the prompt is exactly this text.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
+)

@@ -121,6 +121,11 @@ class SyntheticBackend(ModelBackend):
     def tokenizer(self) -> Tokenizer:
         return self._tokenizer
 
+    @property
+    def prefill_tflops(self) -> float:
+        """The configured roofline speed (what the sleep imitates)."""
+        return self.cfg.prefill_tflops
+
     def prefill_seconds(self, tokens: int) -> float:
         """Roofline: ``2 × tokens × active params / FLOP/s``."""
         return 2 * tokens * self.spec.params_active / (self.cfg.prefill_tflops * 1e12)

@@ -3,7 +3,19 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from functools import lru_cache
 from typing import Any
+
+from pdx.serving.backends.presets import TINY_CHAT_TEMPLATE
+
+
+@lru_cache(maxsize=8)
+def _compiled(template: str) -> Any:
+    # A sandboxed Jinja2 environment, as Hugging Face renders chat templates: a template is
+    # configuration, and must not reach Python objects.
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(template)
 
 
 class Tokenizer(ABC):
@@ -19,12 +31,27 @@ class Tokenizer(ABC):
     def decode(self, ids: list[int]) -> str:
         """Ids → text (ids the tokenizer cannot map are skipped)."""
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (for logprobs; may be part of a character)."""
+        return self.decode([token_id]).encode("utf-8")
+
+    def apply_chat_template(self, messages: list[dict[str, str]]) -> list[int]:
+        """Chat messages → prompt ids with the generation prompt appended."""
+        if not self.chat_template:
+            raise ValueError("this tokenizer has no chat template")
+        text = _compiled(self.chat_template).render(messages=messages, add_generation_prompt=True)
+        return self.encode(text)
+
 
 class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes as ids ``offset .. offset+255``; ids below ``offset`` are special (0 = BOS)."""
+    """UTF-8 bytes as ids ``offset .. offset+255``; ids below ``offset`` are special (0 = BOS).
 
-    def __init__(self, offset: int = 4) -> None:
+    It carries the tiny presets' chat template, so chat works on them out of the box.
+    """
+
+    def __init__(self, offset: int = 4, chat_template: str | None = TINY_CHAT_TEMPLATE) -> None:
         self.offset = offset
+        self.chat_template = chat_template
 
     def encode(self, text: str) -> list[int]:
         """UTF-8 bytes shifted by the special-id offset."""
@@ -34,6 +61,11 @@ class ByteTokenizer(Tokenizer):
         """Bytes back to text; specials and ids outside the byte range are dropped."""
         raw = bytes(i - self.offset for i in ids if self.offset <= i < self.offset + 256)
         return raw.decode("utf-8", errors="replace")
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The one byte an id stands for (nothing for a special id)."""
+        byte = token_id - self.offset
+        return bytes([byte]) if 0 <= byte < 256 else b""
 
 
 class HFTokenizer(Tokenizer):

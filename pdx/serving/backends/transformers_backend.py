@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -60,6 +61,23 @@ class TransformersBackend(ModelBackend):
         self._version = f"{name}+{_state_dict_digest(self.model)}"
         limit = int(getattr(self.model.config, "max_position_embeddings", 2048))
         self._max_context = min(cfg.max_context_tokens or limit, limit)
+        self._prefill_tflops = self._measure_prefill_tflops()
+
+    def _measure_prefill_tflops(self, tokens: int = 256, runs: int = 3) -> float:
+        """Time a few prompt forwards (the fastest counts: the box may be busy); TFLOP/s."""
+        n = max(1, min(tokens, self._max_context - 1))
+        ids = [4 + i % max(1, self.vocab_size - 4) for i in range(n)]
+        params = sum(p.numel() for p in self.model.parameters())
+        best = float("inf")
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            self.prefill(ids)
+            best = min(best, time.perf_counter() - t0)
+        return 2.0 * n * params / best / 1e12 if best > 0 else 0.0
+
+    @property
+    def prefill_tflops(self) -> float:
+        return self._prefill_tflops
 
     def _build_tiny(self, preset: str, seed: int) -> tuple[Any, Tokenizer]:
         from transformers import LlamaConfig, LlamaForCausalLM

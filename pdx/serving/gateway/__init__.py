@@ -1,14 +1,16 @@
 """The gateway: an OpenAI-compatible HTTP API in front of the prefill and decode services.
 
-``POST /v1/completions`` (and ``/v1/chat/completions`` when the model has a chat template),
-``stream: true`` as server-sent events ending ``data: [DONE]``, ``return_token_ids``, and the
-pdx request field ``pdx_route``. Every response carries a ``pdx`` object (route, kv_bytes,
-transfer_ms, retries, degraded and why). Errors map to HTTP once, in
-:func:`pdx.serving.gateway.protocol.http_error`.
+``POST /v1/completions`` and ``/v1/chat/completions`` (through the model's chat template),
+``stream: true`` as server-sent events ending ``data: [DONE]``, ``GET /v1/models[/{id}]``,
+``GET /openapi.json`` (generated from the request and response models), ``/metrics``, and
+the pdx request field ``pdx_route``. Every response carries a ``pdx`` object (route,
+kv_bytes, transfer_ms, retries, degraded and why). Errors use OpenAI's shape, answered once
+in :func:`pdx.serving.gateway.app.openai_errors`.
 
-Modules: :mod:`.app` (HTTP routes, lifecycle, health polling), :mod:`.protocol` (OpenAI
-request parsing and errors), :mod:`.flow` (one request through prefill and decode),
-:mod:`.responses` (bodies and server-sent events), :mod:`.metrics` (Prometheus series).
+Modules: :mod:`.app` (HTTP routes, lifecycle, health polling), :mod:`.protocol` (request
+and response models, the error shape), :mod:`.flow` (one choice through prefill and
+decode), :mod:`.responses` (bodies and server-sent events), :mod:`.openapi` (the OpenAPI
+document), :mod:`.metrics` (Prometheus series).
 """
 
 from pdx.serving.gateway.app import Gateway, build_gateway

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-from collections.abc import AsyncGenerator
+import secrets
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -22,20 +22,56 @@ from pdx.serving.backends.tokenizer import Tokenizer
 from pdx.serving.deploy_config import DeployConfig, GatewayConfig, local_prefill_threshold
 from pdx.serving.gateway.flow import Flow
 from pdx.serving.gateway.metrics import GatewayMetrics
+from pdx.serving.gateway.openapi import openapi_document
 from pdx.serving.gateway.protocol import (
+    ChatCompletionBody,
+    CompletionBody,
     CompletionRequest,
     HTTPProblem,
-    body_field,
-    http_error,
-    parse_completion,
+    ModelCard,
+    ModelList,
+    ServedModel,
+    parse_json,
     prompt_ids,
+    resolve,
+    validate_body,
 )
-from pdx.serving.gateway.responses import SSEWriter, completion_body
+from pdx.serving.gateway.responses import SSEWriter, completion_body, created_now
 from pdx.serving.router import DecodeInstance, PrefillInstance, Router
 from pdx.serving.rpc import channel
 from pdx.tls import TLSConfig
 
 log = logging.getLogger("pdx.gateway")
+
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error in OpenAI's shape: aiohttp's own (404, 405, 413), ours, and the unexpected."""
+    try:
+        return await handler(request)
+    except HTTPProblem as exc:
+        return http_error(exc)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        codes = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}
+        headers = {k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")}
+        problem = HTTPProblem(exc.status, exc.reason if exc.status != 413 else exc.text or "",
+                              codes.get(exc.status), headers=headers)  # fmt: skip
+        return http_error(problem)
+    except (asyncio.CancelledError, ConnectionResetError):
+        raise
+    except Exception:
+        log.exception("unexpected error on %s %s", request.method, request.path)
+        return http_error(HTTPProblem(500, "internal error (logged by the gateway)", "internal"))
+
+
+def http_error(exc: HTTPProblem) -> web.Response:
+    """The JSON error response for ``exc``."""
+    return web.json_response(exc.body(), status=exc.status, headers=exc.headers)
 
 
 class Gateway:
@@ -52,20 +88,27 @@ class Gateway:
         tls: TLSConfig | None,
         poll_interval_s: float = 0.25,
         synthetic: bool = False,
+        model_aliases: list[str] | None = None,
+        threshold_for: Callable[[float], int] | None = None,
     ) -> None:
         self.cfg = cfg
         self.router = router
         self.tokenizer = tokenizer
         self.max_context_tokens = max_context_tokens
         self.model_name = model_name
+        self.model_names = [model_name, *[a for a in model_aliases or [] if a != model_name]]
         self.synthetic = synthetic  # labelled in every response
         self.tls = tls
         self.poll_interval_s = poll_interval_s
-        self.metrics = GatewayMetrics()
+        self.metrics = GatewayMetrics(model_name)
         self.kv_route: dict[str, str] = {}  # kv endpoint → address to use (e.g. a fault proxy)
+        self.vocab_size: int | None = None  # learnt from decode's Status
+        self.threshold_for = threshold_for  # measured prefill TFLOP/s → local-prefill threshold
+        self.created = created_now()
         self._channels: list[grpc.aio.Channel] = []
         self._poller: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
+        self._openapi: dict[str, Any] | None = None
         self.port = 0
 
     # --- lifecycle -----------------------------------------------------------------
@@ -83,10 +126,12 @@ class Gateway:
 
     def app(self) -> web.Application:
         """The aiohttp application."""
-        app = web.Application(client_max_size=16 * 1024 * 1024)
+        app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[openai_errors])
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
+        app.router.add_get("/openapi.json", self.openapi)
         app.router.add_get("/metrics", self.prom)
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
@@ -97,7 +142,11 @@ class Gateway:
         self.connect()
         await self.poll_once()
         self._poller = asyncio.get_running_loop().create_task(self._poll_forever())
-        self._runner = web.AppRunner(self.app(), access_log=None)
+        # keepalive_timeout also bounds a connection whose request headers never complete:
+        # aiohttp arms it when the connection opens and only a whole request disarms it.
+        self._runner = web.AppRunner(
+            self.app(), access_log=None, keepalive_timeout=self.cfg.idle_timeout_s
+        )
         await self._runner.setup()
         site = web.TCPSite(self._runner, host, port)
         await site.start()
@@ -136,6 +185,13 @@ class Gateway:
         d.healthy, d.queue_depth, d.running = st.healthy, st.queue_depth, st.running
         d.max_batch, d.max_queue = st.max_batch, st.max_queue
         d.kv_budget_bytes, d.kv_free_bytes = st.kv_budget_bytes, st.kv_free_bytes
+        if st.vocab_size:
+            self.vocab_size = st.vocab_size
+        if st.prefill_tflops > 0 and self.threshold_for is not None:
+            # Once: the break-even from decode's measured prefill speed (decode is where a
+            # short prompt would be recomputed).
+            self.router.local_prefill_max_tokens = self.threshold_for(st.prefill_tflops)
+            self.threshold_for = None
 
     # --- small endpoints -----------------------------------------------------------
 
@@ -154,91 +210,127 @@ class Gateway:
         body = {"ready": bool(healthy), "decode_healthy": healthy}
         return web.json_response(body, status=200 if healthy else 503)
 
+    def _card(self, name: str) -> ModelCard:
+        return ModelCard(id=name, object="model", created=self.created, owned_by="pdx",
+                         root=self.model_name, max_model_len=self.max_context_tokens,
+                         synthetic=self.synthetic)  # fmt: skip
+
     async def models(self, request: web.Request) -> web.Response:
-        """The one model served."""
-        model = {"id": self.model_name, "object": "model", "synthetic": self.synthetic}
-        data = [{**model, "max_model_len": self.max_context_tokens}]
-        return web.json_response({"object": "list", "data": data})
+        """Every served name (the model, then its aliases)."""
+        cards = ModelList(object="list", data=[self._card(n) for n in self.model_names])
+        return web.json_response(cards.model_dump(mode="json"))
+
+    async def model(self, request: web.Request) -> web.Response:
+        """One served model, or 404 ``model_not_found``."""
+        name = request.match_info["model"]
+        if name not in self.model_names:
+            raise HTTPProblem(404, f"The model `{name}` does not exist", "model_not_found",
+                              param="model")  # fmt: skip
+        return web.json_response(self._card(name).model_dump(mode="json"))
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """The OpenAPI 3 document of every route and field."""
+        if self._openapi is None:
+            self._openapi = openapi_document(self.model_names)
+        return web.json_response(self._openapi)
 
     # --- completions ---------------------------------------------------------------
 
+    def served(self) -> ServedModel:
+        """What requests are checked against."""
+        return ServedModel(self.model_names, self.max_context_tokens, self.vocab_size,
+                           self.cfg.default_max_tokens)  # fmt: skip
+
     async def completions(self, request: web.Request) -> web.StreamResponse:
         """OpenAI ``/v1/completions``."""
-        try:
-            body = await self._json(request)
-            prompt = body.get("prompt")
-            ids = prompt_ids(self.tokenizer, prompt)
-            return await self._complete(request, body, ids, "text_completion")
-        except HTTPProblem as exc:
-            return http_error(exc)
+        body = validate_body(CompletionBody, await self._json(request))
+        ids = prompt_ids(self.tokenizer, body.prompt)
+        text = body.prompt if isinstance(body.prompt, str) else ""
+        req = resolve(body, ids, self.served(), seed=secrets.randbits(63), chat=False,
+                      prompt_text=text)  # fmt: skip
+        return await self._complete(request, req)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        """OpenAI ``/v1/chat/completions`` (only for models with a chat template)."""
+        """OpenAI ``/v1/chat/completions`` through the model's chat template."""
+        body = validate_body(ChatCompletionBody, await self._json(request))
+        if not self.tokenizer.chat_template:
+            raise HTTPProblem(400, "this model has no chat template; use /v1/completions",
+                              "no_chat_template", param="messages")  # fmt: skip
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         try:
-            apply = getattr(self.tokenizer, "apply_chat_template", None)
-            if not self.tokenizer.chat_template or apply is None:
-                raise HTTPProblem(
-                    400, "this model has no chat template; use /v1/completions", "invalid_request"
-                )
-            body = await self._json(request)
-            messages = body_field(body, "messages", list, None)
-            if not messages:
-                raise HTTPProblem(400, "messages: required, a non-empty list", "invalid_request")
-            return await self._complete(request, body, apply(messages), "chat.completion")
-        except HTTPProblem as exc:
-            return http_error(exc)
+            ids = self.tokenizer.apply_chat_template(messages)
+        except Exception as exc:  # a template may raise on messages it does not accept
+            raise HTTPProblem(400, f"messages: the chat template refused them: {exc}",
+                              "invalid_value", param="messages") from None  # fmt: skip
+        if not ids:
+            raise HTTPProblem(400, "messages: the chat template produced an empty prompt",
+                              "invalid_value", param="messages")  # fmt: skip
+        req = resolve(body, ids, self.served(), seed=secrets.randbits(63), chat=True)
+        return await self._complete(request, req)
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
         try:
-            body = json.loads(await request.read())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise HTTPProblem(400, f"malformed JSON body: {exc}", "invalid_request_error") from None
-        if not isinstance(body, dict):
-            raise HTTPProblem(400, "request body must be a JSON object", "invalid_request_error")
-        return body
-
-    async def _complete(
-        self, request: web.Request, body: dict[str, Any], ids: list[int], obj: str
-    ) -> web.StreamResponse:
-        req = parse_completion(
-            body,
-            ids,
-            default_max_tokens=self.cfg.default_max_tokens,
-            max_context_tokens=self.max_context_tokens,
-            model_name=self.model_name,
-        )
-        decision = self.router.decide(req.route, len(ids), req.user)
-        if decision is None:
-            self.metrics.rejections.labels("no_decode_capacity").inc()
+            async with asyncio.timeout(self.cfg.body_timeout_s):
+                raw = await request.read()
+        except TimeoutError:
             raise HTTPProblem(
-                429,
-                "no decode capacity: every decode instance is full or unhealthy; retry later",
-                "overloaded",
-                {"Retry-After": str(self.cfg.retry_after_s)},
-            )
-        flow = Flow(self, req, decision)
+                408,
+                f"request body not received within {self.cfg.body_timeout_s} s",
+                "request_timeout",
+            ) from None
+        return parse_json(raw)
+
+    async def _complete(self, request: web.Request, req: CompletionRequest) -> web.StreamResponse:
+        rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{secrets.token_hex(12)}"
+        flows = []
+        for index in range(req.n):
+            decision = self.router.decide(req.route, len(req.prompt_ids), req.user)
+            if decision is None:
+                for flow in flows:
+                    flow.release()
+                self.metrics.rejections.labels("no_decode_capacity").inc()
+                raise HTTPProblem(
+                    429,
+                    "no decode capacity: every decode instance is full or unhealthy; retry later",
+                    "overloaded",
+                    headers={"Retry-After": str(self.cfg.retry_after_s)},
+                )
+            flows.append(Flow(self, req, decision, request_id=rid, index=index))
+        created = created_now()
         if req.stream:
-            return await self._stream(request, req, flow, obj)
-        outcome = await flow.collect()
-        return web.json_response(completion_body(self.tokenizer, req, flow, outcome, obj))
+            return await self._stream(request, req, flows, rid, created)
+        try:
+            await _collect_all(flows)
+        finally:
+            for flow in flows:
+                flow.release()
+        return web.json_response(completion_body(self.tokenizer, req, flows, rid, created))
 
     async def _stream(
-        self, request: web.Request, req: CompletionRequest, flow: Flow, obj: str
-    ) -> web.StreamResponse:
-        events = flow.events()
-        try:
-            first = await anext(events)  # errors before the first token keep their HTTP status
-        except StopAsyncIteration:
-            first = None
+        self, request: web.Request, req: CompletionRequest, flows: list[Flow], rid: str,
+        created: int,
+    ) -> web.StreamResponse:  # fmt: skip
+        events = [flow.events() for flow in flows]
+        try:  # errors before the first token keep their HTTP status
+            firsts = await asyncio.gather(*(_first(e) for e in events))
+        except BaseException:
+            await asyncio.gather(*(e.aclose() for e in events), return_exceptions=True)
+            for flow in flows:
+                flow.release()
+            raise
         resp = web.StreamResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
-        sse = SSEWriter(self.tokenizer, req, flow, obj, resp)
+        sse = SSEWriter(self.tokenizer, req, flows, rid, created, resp)
         try:
             await resp.prepare(request)
-            await sse.run(first, events)
+            await sse.run(list(firsts), events)
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError: the client left
-            await self._client_gone(flow, events)
+            for flow, ev in zip(flows, events, strict=True):
+                await self._client_gone(flow, ev)
+        finally:
+            for flow in flows:
+                flow.release()
         return resp
 
     async def _client_gone(self, flow: Flow, events: AsyncGenerator[int, None]) -> None:
@@ -251,6 +343,24 @@ class Gateway:
             "client disconnected mid-stream: %s after %d tokens (route %s); generation stopped",
             flow.id, len(flow.outcome.tokens), route,
         )  # fmt: skip
+
+
+async def _first(events: AsyncGenerator[int, None]) -> int | None:
+    try:
+        return await anext(events)
+    except StopAsyncIteration:
+        return None
+
+
+async def _collect_all(flows: list[Flow]) -> None:
+    """Run every choice to the end; the first failure cancels the others and is raised."""
+    tasks = [asyncio.ensure_future(flow.collect()) for flow in flows]
+    try:
+        await asyncio.gather(*tasks)
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def build_gateway(
@@ -268,13 +378,16 @@ def build_gateway(
     router = Router(cfg.router, local_prefill_threshold(cfg))
     router.prefills = [PrefillInstance(name, addr) for name, addr in prefills]
     router.decodes = [DecodeInstance(name, addr) for name, addr in decodes]
+    auto = cfg.router.local_prefill_max_tokens is None and cfg.model.backend != "synthetic"
     return Gateway(
         cfg.gateway,
         router,
         tokenizer,
         max_context_tokens=max_context_tokens,
-        model_name=model_name,
+        model_name=cfg.gateway.served_model_name or model_name,
+        model_aliases=cfg.gateway.model_aliases,
         tls=tls,
         poll_interval_s=cfg.router.status_poll_ms / 1e3,
         synthetic=synthetic,
+        threshold_for=(lambda tflops: local_prefill_threshold(cfg, tflops)) if auto else None,
     )

@@ -1,8 +1,9 @@
-"""One request's way through prefill (maybe) and decode, as a stream of tokens.
+"""One choice's way through prefill (maybe) and decode, as a stream of tokens.
 
 :class:`Flow` runs the route the router chose, degrades to local prefill when prefill or
-the KV store fails, records the timings and the ``pdx`` object of the response, and maps
-decode failures to :class:`HTTPProblem`.
+the KV store fails, ends generation at a stop string, records the timings, the metrics and
+the ``pdx`` object of the response, and maps decode failures to :class:`HTTPProblem`. A
+request with ``n`` choices runs ``n`` flows.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from pdx._proto import serving_pb2
+from pdx.serving.backends.tokenizer import Tokenizer
 from pdx.serving.gateway.protocol import CompletionRequest, HTTPProblem
 from pdx.serving.router import Decision, PrefillInstance
 
@@ -29,26 +31,88 @@ MARKS = ("prefill_first_event", "prefill_stored_event", "decode_first_chunk",
 
 @dataclass
 class Outcome:
-    """What a request produced, for the response body."""
+    """What a choice produced, for the response body."""
 
     tokens: list[int] = field(default_factory=list)
     finish_reason: str = ""
     pdx: dict[str, Any] = field(default_factory=dict)
+    logprobs: list[serving_pb2.TokenLogprob | None] = field(default_factory=list)
+    text: str = ""  # the text so far (cut before a stop string once one matched)
+
+
+class TextTracker:
+    """Incremental text of a choice: what may be sent now, and where a stop string matched."""
+
+    def __init__(self, tokenizer: Tokenizer, stops: list[str], min_tokens: int) -> None:
+        self.tokenizer, self.stops, self.min_tokens = tokenizer, stops, min_tokens
+        self.hold = max((len(s) for s in stops), default=1) - 1
+        self.checked = 0  # length of the text already searched
+
+    def update(self, out: Outcome) -> bool:
+        """Recompute ``out.text``; True when a stop string matched (text cut before it)."""
+        out.text = self.tokenizer.decode(out.tokens)
+        if not self.stops:
+            return False
+        # Only text not searched before can start a new match (min_tokens: none before it).
+        start = max(0, self.checked - self.hold - 4)
+        self.checked = len(out.text)
+        if len(out.tokens) < self.min_tokens:
+            return False
+        cuts = [i for s in self.stops if (i := out.text.find(s, start)) >= 0]
+        if not cuts:
+            return False
+        out.text = out.text[: min(cuts)]
+        return True
+
+    def sendable(self, out: Outcome, final: bool) -> str:
+        """Text that may go out now: not a partial character, not a possible stop's start."""
+        text = out.text
+        if final:
+            return text
+        if text.endswith("\ufffd"):
+            text = text.rstrip("\ufffd")
+        for n in range(min(self.hold, len(text)), 0, -1):
+            if any(s.startswith(text[-n:]) for s in self.stops):
+                return text[:-n]
+        return text
 
 
 class Flow:
-    """One request through prefill (maybe) and decode, yielding tokens as they arrive."""
+    """One choice through prefill (maybe) and decode, yielding tokens as they arrive."""
 
-    def __init__(self, gw: Gateway, req: CompletionRequest, decision: Decision) -> None:
+    def __init__(
+        self,
+        gw: Gateway,
+        req: CompletionRequest,
+        decision: Decision,
+        *,
+        request_id: str = "",
+        index: int = 0,
+    ) -> None:
         self.gw, self.req, self.decision = gw, req, decision
-        self.id = f"cmpl-{secrets.token_hex(12)}"
+        self.id = request_id or f"cmpl-{secrets.token_hex(12)}"
+        self.index = index
         self.outcome = Outcome()
+        self.text = TextTracker(gw.tokenizer, req.stop, req.min_tokens)
         self.t0 = time.perf_counter()
         self.ttft_s: float | None = None
+        self.last_token_s = 0.0
         self.prefill_first: serving_pb2.PrefillFirstToken | None = None
         self.prefill_reply: serving_pb2.PrefillReply | None = None
         self.marks: dict[str, float] = {}  # gateway-side intervals, seconds
         self.client_gone = False  # the streaming client disconnected before the end
+        # The decode slot is taken now, so that requests routed in the same instant see it.
+        self._reserved = True
+        decision.decode.in_flight += 1
+        gw.metrics.in_flight.labels(decision.decode.name).set(decision.decode.in_flight)
+
+    def release(self) -> None:
+        """Give the decode slot back (once; also for a flow that never ran)."""
+        if self._reserved:
+            self._reserved = False
+            d = self.decision.decode
+            d.in_flight -= 1
+            self.gw.metrics.in_flight.labels(d.name).set(d.in_flight)
 
     async def collect(self) -> Outcome:
         """Run to completion (non-streaming)."""
@@ -58,9 +122,8 @@ class Flow:
 
     async def events(self) -> AsyncGenerator[int, None]:
         """Generated tokens in order; raises HTTPProblem on failure."""
-        d = self.decision.decode
-        d.in_flight += 1
-        self.gw.metrics.in_flight.labels(d.name).set(d.in_flight)
+        m = self.gw.metrics
+        m.waiting.inc()
         outcome_label = "error"
         try:
             gen = self._generate_request()
@@ -70,28 +133,41 @@ class Flow:
                 async with contextlib.aclosing(self._prefill(self.decision.prefill, gen)) as pf:
                     async for token in pf:
                         yield token
+                        if self.outcome.finish_reason:  # a stop string in the first token
+                            break
             if self.decision.degrade_reason:
                 gen.degrade_reason = self.decision.degrade_reason
-            async with contextlib.aclosing(self._decode(gen)) as dec:
-                async for token in dec:
-                    yield token
+            if not self.outcome.finish_reason:
+                async with contextlib.aclosing(self._decode(gen)) as dec:
+                    async for token in dec:
+                        yield token
+                        if self.outcome.finish_reason:  # a stop string: end generation now
+                            break
+            if not self.outcome.pdx:  # ended by a stop string: decode's stats never came
+                self._finish(serving_pb2.GenerateChunk(finish_reason="stop"))
             outcome_label = "degraded" if self.outcome.pdx.get("degraded") else "ok"
         finally:
             if self.client_gone:
                 outcome_label = "client_disconnect"
-            d.in_flight -= 1
-            self.gw.metrics.in_flight.labels(d.name).set(d.in_flight)
+            self.release()
+            (m.waiting if self.ttft_s is None else m.running).dec()
             route = self.outcome.pdx.get("route", self.decision.route)
-            self.gw.metrics.requests.labels(route, outcome_label).inc()
+            m.requests.labels(route, outcome_label).inc()
 
     def _generate_request(self) -> serving_pb2.GenerateRequest:
         req = self.req
+        seed = req.seed if self.index == 0 else (req.seed + self.index * 0x9E3779B97F4A7C15)
         sampling = serving_pb2.SamplingParams(
-            max_tokens=req.max_tokens, temperature=req.temperature, seed=req.seed,
-            ignore_eos=req.ignore_eos,
+            max_tokens=req.max_tokens, temperature=req.temperature, seed=seed % 2**64,
+            ignore_eos=req.ignore_eos, top_p=req.top_p, top_k=req.top_k, min_p=req.min_p,
+            frequency_penalty=req.frequency_penalty, presence_penalty=req.presence_penalty,
+            repetition_penalty=req.repetition_penalty, logit_bias=req.logit_bias,
+            min_tokens=req.min_tokens, want_logprobs=req.logprobs is not None,
+            logprobs=req.logprobs or 0,
         )  # fmt: skip
+        rid = self.id if self.index == 0 else f"{self.id}-{self.index}"
         return serving_pb2.GenerateRequest(
-            request_id=self.id, prompt_token_ids=req.prompt_ids, sampling=sampling
+            request_id=rid, prompt_token_ids=req.prompt_ids, sampling=sampling
         )
 
     async def _prefill(
@@ -115,8 +191,12 @@ class Flow:
                     self.marks["prefill_first_event"] = time.perf_counter() - sent
                     self.prefill_first = event.first
                     gen.first_token, gen.has_first_token = event.first.first_token, True
-                    self._token(gen.first_token)
+                    first_lp = event.first.first_logprob if event.first.HasField(
+                        "first_logprob") else None  # fmt: skip
+                    self._token(gen.first_token, first_lp)
                     yield gen.first_token
+                    if self.outcome.finish_reason:
+                        return
                 elif event.HasField("stored"):
                     self.marks["prefill_stored_event"] = time.perf_counter() - sent
                     self.prefill_reply = stored = event.stored
@@ -132,7 +212,7 @@ class Flow:
 
     def _prefill_failed(self, exc: grpc.aio.AioRpcError, started: bool) -> None:
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and not started:
-            raise HTTPProblem(400, exc.details() or "bad request", "invalid_request_error")
+            raise HTTPProblem(400, exc.details() or "bad request", "invalid_value")
         if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
             self._degrade_to_local("prefill_overloaded")
         else:  # after the first token: the KV could not be stored; decode prefills itself
@@ -151,12 +231,15 @@ class Flow:
         try:
             async for chunk in call:
                 self.marks.setdefault("decode_first_chunk", time.perf_counter() - sent)
-                for token in chunk.token_ids:
+                lps = list(chunk.logprobs)
+                for i, token in enumerate(chunk.token_ids):
                     if skip:
                         skip -= 1
                         continue
-                    self._token(token)
+                    self._token(token, lps[i] if i < len(lps) else None)
                     yield token
+                    if self.outcome.finish_reason:
+                        return
                 if chunk.finish_reason:
                     self._finish(chunk)
         except grpc.aio.AioRpcError as exc:
@@ -172,11 +255,14 @@ class Flow:
             self.gw.metrics.rejections.labels("decode_full").inc()
             return HTTPProblem(
                 429, f"decode {d.name}: {exc.details()}", "overloaded",
-                {"Retry-After": str(self.gw.cfg.retry_after_s)},
+                headers={"Retry-After": str(self.gw.cfg.retry_after_s)},
             )  # fmt: skip
         if code == grpc.StatusCode.INVALID_ARGUMENT:
-            return HTTPProblem(400, exc.details() or "bad request", "invalid_request_error")
-        d.healthy = False  # until the next successful status poll
+            return HTTPProblem(400, exc.details() or "bad request", "invalid_value")
+        if code == grpc.StatusCode.UNAVAILABLE:
+            # Only an unreachable instance is marked down (until its next good status poll):
+            # a request that failed for its own reasons says nothing about the instance.
+            d.healthy = False
         where = f"after {len(self.outcome.tokens)} tokens" if started else "before the first token"
         return HTTPProblem(
             502,
@@ -184,16 +270,27 @@ class Flow:
             "decode_failed",
         )
 
-    def _token(self, token: int) -> None:
+    def _token(self, token: int, logprob: serving_pb2.TokenLogprob | None = None) -> None:
+        now = time.perf_counter()
+        m = self.gw.metrics
         if self.ttft_s is None:
-            self.ttft_s = time.perf_counter() - self.t0
-        elif len(self.outcome.tokens) == 1:
-            self.marks["first_to_second_token"] = time.perf_counter() - self.t0 - self.ttft_s
+            self.ttft_s = now - self.t0
+            m.waiting.dec()
+            m.running.inc()
+        else:
+            m.itl.observe(now - self.last_token_s)
+            if len(self.outcome.tokens) == 1:
+                self.marks["first_to_second_token"] = now - self.t0 - self.ttft_s
+        self.last_token_s = now
+        m.generation_tokens.inc()
         self.outcome.tokens.append(token)
+        self.outcome.logprobs.append(logprob)
+        if self.text.update(self.outcome):
+            self.outcome.finish_reason = "stop"
 
     def _finish(self, chunk: serving_pb2.GenerateChunk) -> None:
         st, m = chunk.stats, self.gw.metrics
-        self.outcome.finish_reason = chunk.finish_reason
+        self.outcome.finish_reason = self.outcome.finish_reason or chunk.finish_reason
         degraded = st.degraded or bool(self.decision.degrade_reason)
         reason = st.degrade_reason or self.decision.degrade_reason
         if degraded:
@@ -208,11 +305,14 @@ class Flow:
         m.retries.inc(st.retries)
         e2e_s = time.perf_counter() - self.t0
         route = st.route or self.decision.route
-        if self.ttft_s is not None:
-            m.ttft.labels(route).observe(self.ttft_s)
-            n = len(self.outcome.tokens)
-            if n > 1:
-                m.tpot.labels(route).observe((e2e_s - self.ttft_s) / (n - 1))
+        m.finished(
+            route,
+            self.outcome.finish_reason,
+            self.ttft_s,
+            e2e_s,
+            len(self.outcome.tokens),
+            len(self.req.prompt_ids) if self.index == 0 else 0,
+        )
         self.outcome.pdx = self._pdx(st, route, degraded, reason, e2e_s)
 
     def _pdx(

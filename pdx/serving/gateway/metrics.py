@@ -1,17 +1,27 @@
-"""The gateway's Prometheus series (one registry per gateway, so several fit in a process)."""
+"""The gateway's Prometheus series (one registry per gateway, so several fit in a process).
+
+Two families. ``pdx_gateway_*``: the disaggregation view (routes, degradations, transfers,
+the breaker). ``pdx:*``: the request-latency view, named like vLLM's ``vllm:*`` series
+where the meaning is the same, with a ``model_name`` label, so a vLLM dashboard needs only
+the prefix changed (the mapping is in docs/deploy.md).
+"""
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10)
+# 1 ms to 60 s: fine steps where a tiny model lives, coarse ones out to a long generation.
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.06, 0.08,
+                   0.1, 0.15, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0,
+                   60.0)  # fmt: skip
 
 
 class GatewayMetrics:
     """Prometheus series of one gateway (its own registry, so several can live in a process)."""
 
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
         r = self.registry = CollectorRegistry()
+        self.model_name = model_name
         self.requests = Counter(
             "pdx_gateway_requests",
             "Requests by route and outcome",
@@ -54,3 +64,57 @@ class GatewayMetrics:
             "pdx_gateway_in_flight", "Requests in flight per decode instance", ["instance"],
             registry=r,
         )  # fmt: skip
+        self._vllm_like(r)
+
+    def _vllm_like(self, r: CollectorRegistry) -> None:
+        """The ``pdx:*`` series (vLLM's names and meanings; one ``model_name`` label)."""
+        label = ["model_name"]
+
+        def hist(name: str, doc: str) -> Histogram:
+            h = Histogram(name, doc, label, buckets=LATENCY_BUCKETS, registry=r)
+            return h
+
+        self._ttft = hist("pdx:time_to_first_token_seconds", "Request in -> first token out")
+        self._itl = hist("pdx:inter_token_latency_seconds", "Gap between consecutive tokens")
+        self._tpot = hist("pdx:request_time_per_output_token_seconds",
+                          "Per request: (E2E - TTFT) / (tokens - 1)")  # fmt: skip
+        self._e2e = hist("pdx:e2e_request_latency_seconds", "Request in -> last token out")
+        self._running = Gauge("pdx:num_requests_running", "Requests generating tokens", label,
+                              registry=r)  # fmt: skip
+        self._waiting = Gauge("pdx:num_requests_waiting",
+                              "Requests admitted, first token not out yet (queue + prefill)",
+                              label, registry=r)  # fmt: skip
+        self._prompt_tokens = Counter("pdx:prompt_tokens", "Prompt tokens of finished requests",
+                                      label, registry=r)  # fmt: skip
+        self._generation_tokens = Counter("pdx:generation_tokens", "Tokens generated", label,
+                                          registry=r)  # fmt: skip
+        self._success = Counter("pdx:request_success", "Finished requests by finish reason",
+                                [*label, "finished_reason"], registry=r)  # fmt: skip
+        m = self.model_name
+        self.itl = self._itl.labels(m)
+        self.running = self._running.labels(m)
+        self.waiting = self._waiting.labels(m)
+        self.generation_tokens = self._generation_tokens.labels(m)
+
+    def finished(
+        self,
+        route: str,
+        finish_reason: str,
+        ttft_s: float | None,
+        e2e_s: float,
+        tokens: int,
+        prompt_tokens: int,
+    ) -> None:
+        """Record one finished choice (``prompt_tokens`` only for a request's first choice)."""
+        m = self.model_name
+        if ttft_s is not None:
+            self.ttft.labels(route).observe(ttft_s)
+            self._ttft.labels(m).observe(ttft_s)
+            if tokens > 1:
+                tpot = (e2e_s - ttft_s) / (tokens - 1)
+                self.tpot.labels(route).observe(tpot)
+                self._tpot.labels(m).observe(tpot)
+        self._e2e.labels(m).observe(e2e_s)
+        if prompt_tokens:
+            self._prompt_tokens.labels(m).inc(prompt_tokens)
+        self._success.labels(m, finish_reason or "abort").inc()
