@@ -5,13 +5,22 @@ from __future__ import annotations
 import pytest
 
 from pdx.errors import InputError
-from pdx.kv.engines import DEFAULT_BLOCK_SIZE, VLLM_RULES, vllm_kv_bytes, vllm_max_blocks
+from pdx.kv.engines import (
+    DEFAULT_BLOCK_SIZE,
+    VLLM_RULES,
+    VLLMSizing,
+    vllm_kv_bytes,
+    vllm_max_blocks,
+)
 from pdx.kv.source import load_preset
-from pdx.kv.spec import build_spec
+from pdx.kv.spec import KVSpec, build_spec
 
 
-def vllm(name: str, prompt: int, block: int | None = None, **kw: str):
-    spec = build_spec(load_preset(name).config, name=name, engine="vllm", **kw)
+def vllm(
+    name: str, prompt: int, block: int | None = None, state_dtype: str = "auto"
+) -> tuple[KVSpec, VLLMSizing]:
+    config = load_preset(name).config
+    spec = build_spec(config, name=name, engine="vllm", state_dtype=state_dtype)
     return spec, vllm_kv_bytes(spec, prompt, block)
 
 
@@ -35,13 +44,14 @@ def test_sliding_layers_free_whole_blocks_outside_the_window(prompt: int) -> Non
     skipped = max(0, prompt - 4096 + 1)
     blocks = -(-prompt // 16) - skipped // 16
     assert {la.blocks for la in sizing.layers} == {blocks}
-    assert blocks <= vllm_max_blocks(spec.layers[0], 16) == -(-4095 // 16) + 1
+    assert vllm_max_blocks(spec.layers[0], 16) == -(-4095 // 16) + 1
+    assert blocks <= -(-4095 // 16) + 1
     assert sizing.total_bytes == 32 * blocks * 16 * 4096
 
 
 def test_hybrid_block_size_and_padded_state_page() -> None:
     """Jamba: one attention page (80 tokens) must hold a Mamba state page, which is padded."""
-    spec, sizing = vllm("jamba-v0.1", 32768)
+    _, sizing = vllm("jamba-v0.1", 32768)
     conv = 8192 * (4 - 1) * 2  # vLLM keeps kernel - 1 columns
     ssm = 8192 * 16 * 2  # both states in the model dtype by default
     per_token = 2 * 8 * 128 * 2
