@@ -41,6 +41,7 @@ class VLLMLayer:
     blocks: int
     block_bytes: int
     state_page_bytes: int
+    state_bytes: int = 0  # the states before padding
 
     @property
     def bytes(self) -> int:
@@ -56,7 +57,7 @@ class VLLMSizing:
     block_size: int
     attention_block_size: int
     state_page_bytes: int
-    state_bytes_unpadded: int
+    state_page_unpadded: int
     layers: list[VLLMLayer]
     rules: str = VLLM_RULES
     notes: list[str] = field(default_factory=list)
@@ -80,6 +81,11 @@ class VLLMSizing:
     def state_bytes(self) -> int:
         """State pages (padded to the attention page in hybrid models)."""
         return sum(la.state_page_bytes for la in self.layers)
+
+    @property
+    def unpadded_state_bytes(self) -> int:
+        """The states themselves, before page padding."""
+        return sum(la.state_bytes for la in self.layers)
 
 
 def cdiv(a: int, b: int) -> int:
@@ -183,12 +189,13 @@ def _attention_page_per_token(layer: LayerSpec) -> int:
 def _layer(layer: LayerSpec, prompt: int, block: int, page: int) -> VLLMLayer:
     per_token = vllm_token_bytes(layer)
     state = page if layer.states else 0
+    raw = _state_page(layer)
     if not layer.tokens:
-        return VLLMLayer(layer.index, layer.kind, 0, 0, state)
+        return VLLMLayer(layer.index, layer.kind, 0, 0, state, raw)
     blocks = cdiv(prompt, block)
     if layer.kind == "sliding":
         blocks -= _skipped_tokens(layer, prompt) // block
-    return VLLMLayer(layer.index, layer.kind, blocks, block * per_token, state)
+    return VLLMLayer(layer.index, layer.kind, blocks, block * per_token, state, raw)
 
 
 def _skipped_tokens(layer: LayerSpec, prompt: int) -> int:

@@ -82,7 +82,8 @@ def _mlp_params(cfg: dict[str, Any], model_type: str, index: int) -> tuple[int, 
     hidden = need_int(cfg, model_type, "hidden_size")
     experts, top_k, expert_inter, shared_inter = _moe_shape(cfg, model_type, index)
     if experts == 0:
-        dense = 3 * hidden * need_int(cfg, model_type, "intermediate_size")
+        width = "intermediate_size_mlp" if model_type == "llama4_text" else "intermediate_size"
+        dense = 3 * hidden * need_int(cfg, model_type, width)
         return dense, dense
     per_expert = 3 * hidden * expert_inter
     router = hidden * experts
@@ -99,6 +100,15 @@ def _moe_shape(cfg: dict[str, Any], model_type: str, index: int) -> tuple[int, i
         shared = int(cfg.get("n_shared_experts") or 0) * inter
         top = need_int(cfg, model_type, "num_experts_per_tok")
         return need_int(cfg, model_type, "n_routed_experts"), top, inter, shared
+    if model_type == "llama4_text":  # routed experts + one shared expert on the MoE layers
+        moe_layers = cfg.get("moe_layers")
+        step = int(cfg.get("interleave_moe_layer_step") or 1)
+        is_moe = index in moe_layers if isinstance(moe_layers, list) else (index + 1) % step == 0
+        if not is_moe:
+            return 0, 0, 0, 0
+        inter = need_int(cfg, model_type, "intermediate_size")
+        top = need_int(cfg, model_type, "num_experts_per_tok")
+        return need_int(cfg, model_type, "num_local_experts"), top, inter, inter
     if model_type in ("mixtral", "gpt_oss"):
         top = need_int(cfg, model_type, "num_experts_per_tok", cfg.get("experts_per_token"))
         experts = need_int(cfg, model_type, "num_local_experts")

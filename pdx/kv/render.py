@@ -167,7 +167,7 @@ def render_report(console: Console, report: MeasureKVReport) -> None:
     console.print(f"engine {engine}: {report.engine_rules}")
     console.print(layers_table(report))
     console.print(
-        f"kv_bytes_per_token {report.kv_bytes_per_token:,} (full + MLA layers) · sliding "
+        f"kv_bytes_per_token {report.kv_bytes_per_token:,} (full, MLA and hybrid layers) · sliding "
         f"{report.sliding_bytes_per_token:,} per token up to the window · state "
         f"{report.state_bytes_per_request:,} per request"
     )

@@ -147,7 +147,7 @@ def _vllm_row(spec: KVSpec, seq: int, opts: MeasureOptions) -> dict[str, Any]:
         "attention_block_size": sizing.attention_block_size,
         "blocks": sum(la.blocks for la in sizing.layers),
         "state_page_bytes": sizing.state_page_bytes,
-        "unpadded_state_bytes": spec.state_bytes_per_request,
+        "unpadded_state_bytes": sizing.unpadded_state_bytes,
     }
 
 

@@ -55,7 +55,7 @@ def test_hybrid_block_size_and_padded_state_page() -> None:
     conv = 8192 * (4 - 1) * 2  # vLLM keeps kernel - 1 columns
     ssm = 8192 * 16 * 2  # both states in the model dtype by default
     per_token = 2 * 8 * 128 * 2
-    assert sizing.state_bytes_unpadded == conv + ssm == 311_296
+    assert sizing.state_page_unpadded == conv + ssm == 311_296
     assert sizing.attention_block_size == 16 * -(-(conv + ssm) // (16 * per_token)) == 80
     assert sizing.state_page_bytes == 80 * per_token == 327_680
     attention = 4 * -(-32768 // 80) * 80 * per_token

@@ -249,6 +249,7 @@ def test_unknown_dtype() -> None:
         ("jamba-v0.1", 51.6, 12.0),
         ("gpt-oss-120b", 116.8, 5.7),
         ("gemma-3-27b", 27.0, 27.0),
+        ("llama-4-scout-17b-16e", 109.0, 17.0),
     ],
 )
 def test_parameter_counts_near_published(name: str, total_b: float, active_b: float) -> None:
