@@ -8,19 +8,18 @@ SDK's own exception classes.
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import openai
 import pytest
+from live_deploy import live_deployment
 
 from pdx.serving.backends import create_backend
 from pdx.serving.backends.sampling import Sampling, choose
 from pdx.serving.backends.tokenizer import ByteTokenizer
-from pdx.serving.deploy_config import DeployConfig, load_deploy_config
-from pdx.serving.supervisor import Deployment
+from pdx.serving.deploy_config import DeployConfig
 
 pytestmark = pytest.mark.slow
 
@@ -35,20 +34,8 @@ TOK = ByteTokenizer()
 @pytest.fixture(scope="module")
 def gateway() -> Iterator[str]:
     """A real deployment (prefill and decode processes); its gateway URL."""
-    loop = asyncio.new_event_loop()
-    dep = Deployment(load_deploy_config(dotted=OVERRIDES))
-    loop.run_until_complete(dep.start())
-    runner = ThreadPoolExecutor(1)
-    stop = asyncio.Event()
-    serving = runner.submit(loop.run_until_complete, stop.wait())  # the gateway's own loop
-    try:
+    with live_deployment(OVERRIDES) as dep:
         yield dep.endpoints().gateway
-    finally:
-        loop.call_soon_threadsafe(stop.set)
-        serving.result(10)
-        loop.run_until_complete(dep.stop())
-        loop.close()
-        runner.shutdown()
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +138,8 @@ def test_models_list_retrieve_and_unknown(client: openai.OpenAI) -> None:
     ("params", "sampling"),
     [
         ({"temperature": 1.0, "seed": 7}, Sampling(temperature=1.0, seed=7)),
-        ({"temperature": 0.8, "top_p": 0.5, "seed": 3}, Sampling(temperature=0.8, top_p=0.5, seed=3)),
+        ({"temperature": 0.8, "top_p": 0.5, "seed": 3},
+         Sampling(temperature=0.8, top_p=0.5, seed=3)),
         ({"temperature": 1.2, "seed": 5, "extra_body": {"top_k": 3}},
          Sampling(temperature=1.2, seed=5, top_k=3)),
         ({"temperature": 1.0, "seed": 9, "extra_body": {"min_p": 0.5}},
@@ -258,11 +246,14 @@ def test_errors_parse_as_sdk_exceptions(
 
 def test_chat_refuses_what_it_does_not_serve(client: openai.OpenAI) -> None:
     tools: Any = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
-    for kwargs, param in [({"tools": tools}, "tools"),
-                          ({"response_format": {"type": "json_object"}}, "response_format")]:
+    for kwargs, param in [
+        ({"tools": tools}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format"),
+    ]:
         with pytest.raises(openai.BadRequestError) as exc:
-            client.chat.completions.create(model=MODEL, messages=[{"role": "user",
-                                                                   "content": "hi"}], **kwargs)
+            client.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], **kwargs
+            )
         assert exc.value.param is not None and exc.value.param.startswith(param)
 
 

@@ -1,0 +1,36 @@
+"""A real deployment (prefill and decode child processes) serving from a thread of its own.
+
+For tests whose clients block (the openai SDK, subprocesses such as schemathesis): the
+deployment's event loop keeps running in a worker thread while the test calls it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from pdx.serving.deploy_config import load_deploy_config
+from pdx.serving.supervisor import Deployment
+
+
+@contextlib.contextmanager
+def live_deployment(overrides: list[str]) -> Iterator[Deployment]:
+    """Start ``pdx deploy``'s Deployment with ``--set`` overrides; stop it on exit."""
+    loop = asyncio.new_event_loop()
+    dep = Deployment(load_deploy_config(dotted=overrides))
+    runner = ThreadPoolExecutor(1)
+    try:
+        loop.run_until_complete(dep.start())
+        stop = asyncio.Event()
+        serving = runner.submit(loop.run_until_complete, stop.wait())
+        try:
+            yield dep
+        finally:
+            loop.call_soon_threadsafe(stop.set)
+            serving.result(10)
+    finally:
+        loop.run_until_complete(dep.stop())
+        loop.close()
+        runner.shutdown()
