@@ -44,9 +44,16 @@ def _errors(*codes: str) -> dict[str, Any]:
 def _generate(body: type[BaseModel], reply: type[BaseModel], summary: str) -> dict[str, Any]:
     ok = _json(_ref(reply), "the completion (stream: false)")
     # One server-sent event (stream: true): data is a JSON chunk, or [DONE] at the end.
-    event = {"type": "object", "required": ["data"],
-             "properties": {"data": {"type": "string"}, "event": {"type": "string"},
-                            "id": {"type": "string"}, "retry": {"type": "integer"}}}
+    event = {
+        "type": "object",
+        "required": ["data"],
+        "properties": {
+            "data": {"type": "string"},
+            "event": {"type": "string"},
+            "id": {"type": "string"},
+            "retry": {"type": "integer"},
+        },
+    }
     ok["content"]["text/event-stream"] = {"schema": event}
     return {
         "post": {
