@@ -3,7 +3,9 @@
 The locustfile drives these functions; tests import them directly. Definitions (stated in every
 pdx report too):
 
-- TTFT = time of the first SSE event carrying content − intended send time
+- TTFT = time of the first SSE event carrying content − intended send time (a stream with no
+  content at all, e.g. a first token that is EOS, is a success with 0 content events: its TTFT
+  is the first event carrying a choice)
 - E2E  = time the stream ended (``data: [DONE]``) − intended send time
 - TPOT = (E2E − TTFT) / (output tokens − 1), output tokens from the server's ``usage``
 - ITL  = gap between consecutive content-carrying SSE events (one value per gap)
@@ -189,17 +191,29 @@ def event_content(event: dict[str, Any]) -> bool:
     return False
 
 
-def finish_record(rec: RequestRecord, t0: float, content_times: list[float], t_end: float) -> None:
-    """Derive TTFT, E2E, ITL and TPOT from the event times (perf_counter seconds, t0 = intended)."""
+def finish_record(
+    rec: RequestRecord,
+    t0: float,
+    content_times: list[float],
+    t_end: float,
+    first_choice: float | None = None,
+) -> None:
+    """Derive TTFT, E2E, ITL and TPOT from the event times (perf_counter seconds, t0 = intended).
+
+    ``first_choice``: when the first event carrying a choice arrived (TTFT of a stream that
+    carried no content).
+    """
     rec.e2e_ms = (t_end - t0) * 1e3
     if content_times:
         rec.ttft_ms = (content_times[0] - t0) * 1e3
         rec.itl_ms = [(b - a) * 1e3 for a, b in itertools.pairwise(content_times)]
+    elif first_choice is not None:
+        rec.ttft_ms = (first_choice - t0) * 1e3
     rec.content_events = len(content_times)
     if rec.output_tokens is None:
         rec.output_tokens = len(content_times)
         rec.usage_source = "chunks"
-    if rec.ttft_ms is not None and rec.output_tokens and rec.output_tokens > 1:
+    if content_times and rec.ttft_ms is not None and rec.output_tokens and rec.output_tokens > 1:
         rec.tpot_ms = (rec.e2e_ms - rec.ttft_ms) / (rec.output_tokens - 1)
 
 
@@ -245,6 +259,7 @@ def stream_completion(
     """
     rec.queue_ms = (time.perf_counter() - t_intended) * 1e3
     content_times: list[float] = []
+    first_choice: float | None = None
     done = False
     t_end = 0.0
     try:
@@ -260,6 +275,8 @@ def stream_completion(
                     break
                 event = json.loads(data)
                 _absorb(rec, event)
+                if first_choice is None and event.get("choices"):
+                    first_choice = now
                 if event_content(event):
                     content_times.append(now)
     except Exception as exc:  # any transport/protocol failure is a failed request, with its cause
@@ -267,11 +284,10 @@ def stream_completion(
         return rec
     if rec.error is None and not done:
         rec.error = "stream ended without data: [DONE]"
-    if rec.error is None and not content_times:
-        zero = rec.output_tokens == 0
-        rec.error = "no tokens generated (EOS first? send ignore_eos)" if zero else "no content"
+    if rec.error is None and first_choice is None:
+        rec.error = "the stream carried no choice"
     if rec.error is not None:
         return rec
-    finish_record(rec, t_intended, content_times, t_end)
+    finish_record(rec, t_intended, content_times, t_end, first_choice)
     rec.ok = True
     return rec

@@ -34,7 +34,7 @@ from llm_stream import (
     load_lengths_file,
     stream_completion,
 )
-from locust import User, constant, events, task
+from locust import User, constant, events, stats, task
 from locust.runners import WorkerRunner
 
 _records_file: Any = None
@@ -58,8 +58,13 @@ def _add_options(parser: Any) -> None:
     parser.add_argument("--pdx-records", default="", help="directory for per-request JSONL")
 
 
+_environment: Any = None
+
+
 @events.init.add_listener
 def _on_init(environment: Any, **_kw: Any) -> None:
+    global _environment
+    _environment = environment
     opts = environment.parsed_options
     if opts is None:
         return
@@ -72,6 +77,19 @@ def _on_init(environment: Any, **_kw: Any) -> None:
 def _on_stop(**_kw: Any) -> None:
     if _records_file is not None:
         _records_file.flush()
+
+
+@events.quit.add_listener
+def _final_csv(**_kw: Any) -> None:
+    """Let Locust's CSV writer write once more after the last request, before it closes.
+
+    It writes every CSV_STATS_INTERVAL_SEC; requests finished after its last pass (the users
+    stopping) are in the console summary but would be missing from ``--csv`` files.
+    """
+    env = _environment
+    opts = getattr(env, "parsed_options", None)
+    if opts is not None and opts.csv_prefix and not isinstance(env.runner, WorkerRunner):
+        gevent.sleep(stats.CSV_STATS_INTERVAL_SEC + 0.2)
 
 
 def _record(rec: RequestRecord, opts: Any) -> None:
