@@ -14,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -67,3 +68,16 @@ def test_a_first_token_that_is_eos_is_a_success(gateway: str, tmp_path: Path) ->
     done = [r for r in recs if not r.get("unfinished")]  # not the ones the run's end cut off
     assert done and all(r["ok"] and r["content_events"] == 0 and r["ttft_ms"] for r in done)
     assert {r["output_tokens"] for r in done} == {1}
+
+
+def test_the_default_routes_a_200_token_prompt_through_the_kv_transfer(gateway: str) -> None:
+    """The local-prefill threshold is measure-kv's break-even, not the context size."""
+
+    def route(prompt: list[int]) -> str:
+        body = json.dumps({"prompt": prompt, "max_tokens": 2}).encode()
+        req = urllib.request.Request(gateway + "/v1/completions", data=body)
+        with urllib.request.urlopen(req, timeout=60) as resp:  # loopback only
+            return str(json.loads(resp.read())["pdx"]["route"])
+
+    assert route([40] * 200) == "disaggregated"
+    assert route([40] * 5) == "local"
