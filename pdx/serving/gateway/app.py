@@ -282,7 +282,7 @@ class Gateway:
 
     async def _complete(self, request: web.Request, req: CompletionRequest) -> web.StreamResponse:
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{secrets.token_hex(12)}"
-        flows = []
+        flows: list[Flow] = []
         for index in range(req.n):
             decision = self.router.decide(req.route, len(req.prompt_ids), req.user)
             if decision is None:
