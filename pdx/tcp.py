@@ -40,6 +40,11 @@ class TcpInfo:
         """Plain dict (JSON)."""
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TcpInfo:
+        """Back from :meth:`as_dict` (extra keys ignored)."""
+        return cls(**{k: data[k] for k in cls.__dataclass_fields__})
+
     @property
     def limited_by(self) -> str | None:
         """``send buffer`` / ``receive window`` when that limited the stream most of its busy
@@ -143,6 +148,16 @@ def buffer_limits() -> BufferLimits:
         rmem_max=_int(_read("core/rmem_max")),
         slow_start_after_idle=None if ssai is None else ssai == "1",
     )
+
+
+def tcp_facts() -> dict[str, Any]:
+    """This namespace's TCP defaults: congestion control and the buffer sysctls that cap a
+    stream (what ``probe-link`` reports for each end)."""
+    return {
+        "congestion_control": default_congestion_control(),
+        "available": available_congestion_controls(),
+        "buffers": buffer_limits().as_dict(),
+    }
 
 
 def bdp_bytes(rate_bps: float, rtt_ms: float) -> int:

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Best-effort install of the Debian tools that system tests use (network namespaces,
-# nft loss, ping, headless Chromium for report rendering). Needs root and apt-get;
+# Best-effort install of the Debian tools that system tests and benchmarks use (network namespaces,
+# nft loss for the probe benchmark, ping, iperf3, headless Chromium for report rendering). Needs
+# root and apt-get;
 # without them it says so and the tests that need these tools skip cleanly.
 # Set PDX_NO_APT=1 to never touch system packages.
 set -u
@@ -8,6 +9,7 @@ want=()
 command -v ip >/dev/null 2>&1 || want+=(iproute2)
 command -v nft >/dev/null 2>&1 || want+=(nftables)
 command -v ping >/dev/null 2>&1 || want+=(iputils-ping)
+command -v iperf3 >/dev/null 2>&1 || want+=(iperf3)
 command -v chromium >/dev/null 2>&1 || want+=(chromium)
 [ ${#want[@]} -eq 0 ] && exit 0
 if [ "${PDX_NO_APT:-0}" = "1" ] || [ "$(id -u)" != "0" ] || ! command -v apt-get >/dev/null 2>&1; then

@@ -261,11 +261,50 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         table.add_row("RTT under load p50 / p99 ms", _join(loaded, "p50", "p99"))
     if report["mtu"]:
         table.add_row("path MTU bytes", str(report["mtu"]))
+    _tcp_rows(table, report.get("tcp"))
     if table.row_count:  # empty when only the chunk sweep ran
         console.print(table)
+    for note in _tcp_notes(report.get("tcp")):
+        console.print(note, soft_wrap=True)
     if report["chunks"]:
         console.print(_chunk_table(report))
     console.print(_verdict_table(report["verdict"]))
+
+
+def _tcp_rows(table: Table, tcp: dict[str, Any] | None) -> None:
+    if not tcp:
+        return
+    server = (tcp.get("server") or {}).get("congestion_control") or "?"
+    table.add_row(
+        "TCP congestion control client / server",
+        f"{tcp['client']['congestion_control']} / {server}",
+    )
+    if tcp.get("bdp_bytes"):
+        table.add_row("bandwidth-delay product", human_bytes(tcp["bdp_bytes"]))
+    for direction, s in tcp.get("single_stream", {}).items():
+        state = f"capped: {s['limited_by']}" if s["capped_by_buffers"] else "not buffer-capped"
+        table.add_row(
+            f"1 stream {direction}: window / limit", f"{human_bytes(s['window_bytes'])} / {state}"
+        )
+
+
+def _tcp_notes(tcp: dict[str, Any] | None) -> list[str]:
+    """One line per buffer-capped stream: the sysctl that caps it and a value that would not."""
+    notes: list[str] = []
+    if not tcp:
+        return notes
+    for direction, s in (tcp.get("single_stream") or {}).items():
+        cap = s.get("cap")
+        if not cap:
+            continue
+        now = human_bytes(cap["max_bytes"]) if cap["max_bytes"] else "?"
+        want = cap["would_not_cap_bytes"]
+        notes.append(
+            f"one {direction} stream is capped by the {cap['end']}'s {cap['sysctl']} (max {now}); "
+            f"on this path (BDP {human_bytes(tcp['bdp_bytes'])}) a max of {human_bytes(want)} "
+            f'would not cap it: sysctl -w {cap["sysctl"]}="4096 131072 {want}" on the {cap["end"]}'
+        )
+    return notes
 
 
 def _join(data: dict[str, Any], *keys: str) -> str:

@@ -142,6 +142,7 @@ class ProbeSession:
     udp_port: int = 0
     limits: dict[str, Any] = field(default_factory=dict)
     server_version: str = ""
+    server_tcp: dict[str, Any] | None = None  # the server's TCP defaults (newer servers)
 
     def open(self) -> ProbeSession:
         """Connect and say hello."""
@@ -151,7 +152,18 @@ class ProbeSession:
         self.session_id = bytes.fromhex(str(reply["session"]))
         self.udp_port = int(reply["udp_port"])
         self.limits = dict(reply.get("limits", {}))
+        tcp = reply.get("tcp")
+        self.server_tcp = dict(tcp) if isinstance(tcp, dict) else None
         return self
+
+    def tcp_report(self, test: str) -> list[dict[str, Any]]:
+        """The server's TCP_INFO of the download streams of ``test`` ([] from older servers)."""
+        if self.server_tcp is None:
+            return []
+        assert self.control is not None
+        reply = self.control.request({"op": "tcp_report", "test": test})
+        reports = reply.get("reports", [])
+        return [r for r in reports if isinstance(r, dict)]
 
     @property
     def udp_key(self) -> bytes | None:

@@ -23,6 +23,7 @@ from pdx.link.sockets import (
     rx_timestamp_ns,
     set_dont_fragment,
 )
+from pdx.tcp import congestion_control, tcp_info
 from pdx.units import bytes_per_s_to_gbps
 
 _BLOCK_BYTES = 256 * 1024
@@ -233,6 +234,10 @@ class ThroughputRun:
     duration_s: float
     bytes: int
     intervals_gbps: list[float] = field(default_factory=list)
+    # TCP_INFO of each sending socket in the last round (the client's when up, the server's
+    # when down): RTT, retransmissions, and how long the send buffer or the receiver's window
+    # limited it
+    sender_tcp: list[dict[str, Any]] = field(default_factory=list)
 
 
 def _send_stream(conn: Any, deadline: float, max_bytes: int, out: dict[int, Any], i: int) -> None:
@@ -248,7 +253,14 @@ def _send_stream(conn: Any, deadline: float, max_bytes: int, out: dict[int, Any]
                 continue
         sock.shutdown(socket.SHUT_WR)
         sock.settimeout(30.0)
-        out[i] = conn.receive()
+        report = conn.receive()  # the sink has everything: the socket's stats are final
+        info = tcp_info(sock)
+        if info is not None:
+            report["sender_tcp"] = {
+                **info.as_dict(),
+                "congestion_control": congestion_control(sock),
+            }
+        out[i] = report
     except (OSError, MeasurementError) as exc:
         out[i] = exc
 
@@ -279,8 +291,9 @@ def _one_round(
     duration_s: float,
     interval_s: float,
     max_bytes: int,
-) -> dict[int, int]:
-    """Run one test of ``streams`` connections; returns bytes per interval index."""
+) -> tuple[dict[int, int], list[dict[str, Any]]]:
+    """Run one test of ``streams`` connections; bytes per interval index, and the sending
+    sockets' TCP_INFO."""
     mode = "sink" if direction == "up" else "source"
     test = uuid.uuid4().hex
     per_stream = max(1, max_bytes // streams)
@@ -312,7 +325,11 @@ def _one_round(
             conn.close()
     if direction == "up":
         _merge_sink_reports(reports, streams, bins)
-    return bins
+        senders = [r["sender_tcp"] for r in reports.values() if isinstance(r, dict)
+                   and "sender_tcp" in r]  # fmt: skip
+    else:
+        senders = session.tcp_report(test)
+    return bins, senders
 
 
 def _merge_sink_reports(reports: dict[int, Any], streams: int, bins: dict[int, int]) -> None:
@@ -359,7 +376,9 @@ def measure_goodput(
     total_bytes = 0
     spent_s = 0.0
     while True:
-        bins = _one_round(session, direction, streams, duration_s + omit_s, interval_s, max_bytes)
+        bins, senders = _one_round(
+            session, direction, streams, duration_s + omit_s, interval_s, max_bytes
+        )
         rounds += 1
         spent_s += duration_s + omit_s
         round_bytes = sum(bins.values())
@@ -381,6 +400,7 @@ def measure_goodput(
         duration_s=spent_s,
         bytes=total_bytes,
         intervals_gbps=samples,
+        sender_tcp=senders,
     )
 
 

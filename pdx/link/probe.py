@@ -14,6 +14,7 @@ from pdx.link.chunks import get_chunk_transport, run_chunk_sweep
 from pdx.link.client import ProbeSession, parse_target
 from pdx.link.stats import summarize
 from pdx.link.verdict import VerdictRules, judge
+from pdx.tcp import TcpInfo, bdp_bytes, tcp_facts, window_for
 from pdx.units import MIB, human_bytes
 
 ALL_PHASES = ("latency", "throughput", "loaded", "mtu", "chunks")
@@ -81,6 +82,7 @@ def _run_phases(
         _throughput_phase(session, opts, report, progress)
     if "chunks" in opts.phases:
         _chunk_phase(session, opts, report, progress)
+    report["tcp"] = tcp_summary(session, report)
 
 
 def _empty_report(opts: ProbeOptions) -> dict[str, Any]:
@@ -109,6 +111,7 @@ def _empty_report(opts: ProbeOptions) -> dict[str, Any]:
         "chunks": [],
         "chunk_recommended_bytes": None,
         "kv_demand": {"gbps": opts.rules.kv_gbps, "source": opts.kv_source},
+        "tcp": None,
         "verdict": None,
     }
 
@@ -290,3 +293,86 @@ def _chunk_phase(
     )
     report["chunks"] = [asdict(c) for c in sweep.chunks]
     report["chunk_recommended_bytes"] = sweep.recommended_bytes
+
+
+# Which sysctl caps a window-limited stream, by what limited its sender (see pdx.tcp).
+_CAPS = {
+    ("up", "send buffer"): ("client", "net.ipv4.tcp_wmem", "tcp_wmem_max"),
+    ("up", "receive window"): ("server", "net.ipv4.tcp_rmem", "tcp_rmem_max"),
+    ("down", "send buffer"): ("server", "net.ipv4.tcp_wmem", "tcp_wmem_max"),
+    ("down", "receive window"): ("client", "net.ipv4.tcp_rmem", "tcp_rmem_max"),
+}
+
+
+def tcp_summary(session: ProbeSession, report: dict[str, Any]) -> dict[str, Any]:
+    """Congestion control of both ends, the path's BDP, and whether one stream is capped by
+    socket buffers (the sysctl that caps it and a value that would not)."""
+    client = tcp_facts()
+    server = session.server_tcp
+    out: dict[str, Any] = {"client": client, "server": server, "bdp_bytes": None,
+                           "rtt_ms": None, "single_stream": {}}  # fmt: skip
+    tp = report.get("throughput")
+    rtt = (report.get("rtt_ms") or {}).get("p50")
+    if not tp:
+        return out
+    if rtt is None:  # no idle-latency phase: the senders' own minimum RTT
+        mins = [t["min_rtt_ms"] for r in tp["runs"] for t in r["sender_tcp"] if t["min_rtt_ms"]]
+        rtt = min(mins) if mins else None
+    if rtt is None:
+        return out
+    best_gbps = max(tp["up_gbps"], tp["down_gbps"])
+    bdp = bdp_bytes(best_gbps * 1e9, rtt)
+    out.update(rtt_ms=rtt, bdp_bytes=bdp)
+    ends = {"client": client, "server": server or {}}
+    for direction in ("up", "down"):
+        single = [r for r in tp["runs"] if r["direction"] == direction and r["streams"] == 1]
+        if not single:
+            continue
+        run = single[0]
+        senders = [TcpInfo.from_dict(t) for t in run["sender_tcp"]]
+        limited = next((t.limited_by for t in senders if t.limited_by), None)
+        evidence = "TCP_INFO sndbuf/rwnd-limited time" if limited else None
+        if limited is None:
+            limited = _inferred_limit(direction, run, tp, rtt, ends)
+            evidence = "window near the buffer sysctl, more streams go faster" if limited else None
+        entry: dict[str, Any] = {
+            "gbps": run["gbps"],
+            "window_bytes": bdp_bytes(run["gbps"] * 1e9, rtt),
+            "congestion_control": next(
+                (t["congestion_control"] for t in run["sender_tcp"] if t.get("congestion_control")),
+                None,
+            ),
+            "retransmits": sum(t["total_retrans"] for t in run["sender_tcp"]),
+            "limited_by": limited,
+            "evidence": evidence,
+            "capped_by_buffers": limited is not None,
+            "cap": None,
+        }
+        if limited is not None:
+            end, sysctl, key = _CAPS[(direction, limited)]
+            value = (ends[end].get("buffers") or {}).get(key)
+            entry["cap"] = {"end": end, "sysctl": sysctl, "max_bytes": value,
+                            "would_not_cap_bytes": window_for(bdp)}  # fmt: skip
+        out["single_stream"][direction] = entry
+    return out
+
+
+def _inferred_limit(
+    direction: str, run: dict[str, Any], tp: dict[str, Any], rtt_ms: float,
+    ends: dict[str, dict[str, Any]],
+) -> str | None:  # fmt: skip
+    """When TCP_INFO did not say (a sender that waits in poll() is never counted as send-buffer
+    limited): one stream is buffer-capped if its window is close to what the sysctl lets a
+    socket hold while several streams reach more."""
+    best = max(r["gbps"] for r in tp["runs"] if r["direction"] == direction)
+    if best < 1.3 * run["gbps"]:
+        return None
+    window = bdp_bytes(run["gbps"] * 1e9, rtt_ms)
+    sender, receiver = ("client", "server") if direction == "up" else ("server", "client")
+    wmem = (ends[sender].get("buffers") or {}).get("tcp_wmem_max")
+    rmem = (ends[receiver].get("buffers") or {}).get("tcp_rmem_max")
+    if wmem and window >= 0.4 * wmem:
+        return "send buffer"
+    if rmem and window >= 0.4 * rmem:
+        return "receive window"
+    return None

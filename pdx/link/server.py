@@ -23,6 +23,7 @@ from pdx import __version__
 from pdx.errors import MeasurementError
 from pdx.link import protocol as proto
 from pdx.link.sockets import ANCILLARY_BYTES, enable_rx_timestamps, rx_timestamp_ns
+from pdx.tcp import congestion_control, tcp_facts, tcp_info
 
 _RECV_BYTES = 256 * 1024
 _MAX_UDP_BYTES = 65535
@@ -61,6 +62,8 @@ class _Session:
     udp_key: bytes | None
     streams: dict[int, _ProbeStream] = field(default_factory=dict)
     test_epochs: dict[str, float] = field(default_factory=dict)
+    # TCP_INFO of this session's download (source) streams, by test; bounded per test
+    tcp_reports: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
 
     def epoch(self, test: str) -> float:
         """Common time origin of all data connections of one test (bins line up across streams)."""
@@ -205,6 +208,7 @@ class _Connection(asyncio.BufferedProtocol):
         self.byte_limit = 0
         self.bins: dict[int, int] = {}
         self.epoch = 0.0
+        self.test = ""
         self.interval_s = 0.1
         self.chunk_left = -1
         self.chunk_len = 0
@@ -320,6 +324,8 @@ class _Connection(asyncio.BufferedProtocol):
                 self._on_udp_stats(message)
             elif op == "data":
                 self._on_data(message)
+            elif op == "tcp_report":
+                self._on_tcp_report(message)
             elif op == "bye":
                 self._send({"op": "bye"})
                 if self.transport is not None:
@@ -340,6 +346,7 @@ class _Connection(asyncio.BufferedProtocol):
                 "session": self.session.sid.hex(),
                 "udp_port": self.server.udp_port,
                 "limits": self.server.limits.as_dict(),
+                "tcp": tcp_facts(),
             }
         )
 
@@ -359,6 +366,12 @@ class _Connection(asyncio.BufferedProtocol):
             }
         )
 
+    def _on_tcp_report(self, message: dict[str, Any]) -> None:
+        if not self.control or self.session is None:
+            raise proto.ProtocolError("tcp_report needs a hello first")
+        reports = self.session.tcp_reports.pop(str(message.get("test", "")), [])
+        self._send({"op": "tcp_report", "reports": reports})
+
     def _on_data(self, message: dict[str, Any]) -> None:
         if self.session is not None:
             raise proto.ProtocolError("a control connection cannot become a data connection")
@@ -371,7 +384,8 @@ class _Connection(asyncio.BufferedProtocol):
         self.byte_limit = min(_int_field(message, "max_bytes", 1, 2**63), limits.max_test_bytes)
         if "interval_s" in message:
             self.interval_s = _float_field(message, "interval_s", 0.01, 10.0)
-        self.epoch = session.epoch(str(message.get("test", "")))
+        self.test = str(message.get("test", ""))[:64]
+        self.epoch = session.epoch(self.test)
         self.session = session
         self.mode = mode
         loop = asyncio.get_running_loop()
@@ -426,7 +440,18 @@ class _Connection(asyncio.BufferedProtocol):
             self.bytes += size
             await asyncio.sleep(0)
         self.mode = "closing"
+        self._record_tcp_info(transport)
         transport.close()
+
+    def _record_tcp_info(self, transport: asyncio.BaseTransport) -> None:
+        """What TCP saw sending this stream (what capped it), for the client to ask for."""
+        sock = transport.get_extra_info("socket")
+        info = tcp_info(sock) if sock is not None else None
+        if info is None or self.session is None:
+            return
+        mine = self.session.tcp_reports.setdefault(self.test, [])
+        if len(mine) < 64 and len(self.session.tcp_reports) < 256:
+            mine.append({**info.as_dict(), "congestion_control": congestion_control(sock)})
 
     def _chunk_bytes(self, data: memoryview) -> None:
         while data:

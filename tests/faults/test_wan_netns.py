@@ -8,12 +8,17 @@ reconfiguration) and measures with ping, UDP sequence numbers and TCP's own ``TC
 from __future__ import annotations
 
 import itertools
+import json
 import os
+import re
 import shutil
 import signal
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from scipy import stats
@@ -78,19 +83,44 @@ def test_rtt_is_twice_the_one_way_delay_for_ping_and_for_tcp(topo, delay_ms: int
     assert len(rtts) == 30
     assert statistics.median(rtts) == pytest.approx(2 * delay_ms, abs=1.0)
     tcp = tcp_rtts(topo.prefill, topo.decode, 40)
-    # what the sender's TCP itself measured (its smoothed and minimum RTT)
+    # What the sender's TCP itself measured: its minimum RTT; the smoothed RTT also carries
+    # the test programs' own scheduling on a busy host, so it only has to be close.
     assert tcp["tcp_info"]["min_rtt_ms"] == pytest.approx(2 * delay_ms, abs=1.0)
-    assert tcp["tcp_info"]["rtt_ms"] == pytest.approx(2 * delay_ms, abs=1.0)
+    assert 2 * delay_ms - 1 <= tcp["tcp_info"]["rtt_ms"] <= 2 * delay_ms + 3
+
+
+def _spread_ms(topo: netns.NetnsConfig, window_ms: float) -> float:
+    """Standard deviation of 300 ping RTTs within ``window_ms`` of their median (the same
+    window for every run: host stalls longer than that are left out of each alike)."""
+    rtts = ping(topo.decode, PREFILL_ADDR, 300, interval_s=0.015)
+    assert len(rtts) >= 295
+    mid = statistics.median(rtts)
+    return statistics.pstdev([r for r in rtts if abs(r - mid) <= window_ms])
 
 
 def test_jitter_has_the_standard_deviation_asked_for_and_never_reorders(topo) -> None:
     jitter = 4.0
-    condition(topo, down={"delay_ms": 20, "jitter_ms": jitter}, up={"delay_ms": 20})
-    rtts = ping(topo.decode, PREFILL_ADDR, 200, interval_s=0.02)
-    assert len(rtts) >= 195
-    sd = statistics.stdev(rtts)
-    assert sd == pytest.approx(jitter, rel=0.2), sd
+    window = 5 * jitter  # keeps all but 6e-7 of a normal's samples
+    # The spread the host adds by itself (scheduling of ping and of the emulator), measured
+    # just before and after on the same path without jitter, is taken out: independent
+    # variances add. A host busy enough to add more than J/2 cannot measure J; the quietest
+    # of at most three tries is judged.
+    tries = []
+    for _ in range(3):
+        condition(topo, delay_ms=20)
+        host_before = _spread_ms(topo, window)
+        condition(topo, down={"delay_ms": 20, "jitter_ms": jitter}, up={"delay_ms": 20})
+        total = _spread_ms(topo, window)
+        condition(topo, delay_ms=20)
+        host = ((host_before**2 + _spread_ms(topo, window) ** 2) / 2) ** 0.5
+        tries.append((host, (max(0.0, total**2 - host**2)) ** 0.5, total))
+        if host < jitter / 4:
+            break
+    host, sd, total = min(tries)
+    assert host < jitter / 2, f"the host alone spreads RTTs by {host:.2f} ms: too busy to measure"
+    assert sd == pytest.approx(jitter, rel=0.2), (sd, total, host)
     # Numbered datagrams at 2,000/s (0.5 ms apart, far closer than the jitter) keep order.
+    condition(topo, down={"delay_ms": 20, "jitter_ms": jitter}, up={"delay_ms": 20})
     seqs = udp_stream(topo.prefill, topo.decode, DECODE_ADDR, 4000, pps=2000)
     assert len(seqs) == 4000 and seqs == sorted(seqs)
 
@@ -104,7 +134,8 @@ def test_loss_is_per_wire_packet_within_the_binomial_interval(topo) -> None:
     lo, hi = stats.binom.interval(0.95, n, p)
     assert lo <= lost <= hi, (lost, lo, hi)
     after = counters(topo)["down"]
-    assert after["dropped_loss"] - before["dropped_loss"] == lost
+    # the counter saw the same drops (plus any of the sender's 3 end-of-stream markers)
+    assert lost <= after["dropped_loss"] - before["dropped_loss"] <= lost + 3
     # TCP sends 64 KB aggregates through the router; loss still hits single wire packets,
     # so the sender retransmits about as many segments as were lost (not 44 per loss).
     condition(topo, down={"loss": 0.002, "delay_ms": 2}, up={"delay_ms": 2})
@@ -218,3 +249,38 @@ def test_no_conditions_means_no_emulator_and_down_removes_everything() -> None:
     assert result["emulator_stopped"] and not control._alive(int(pid))
     assert not cfg.state_dir.exists()
     assert not any(netns.status(cfg)["namespaces"].values())
+
+
+def test_probe_link_sees_the_rtt_the_bdp_and_a_buffer_capped_stream(topo) -> None:
+    condition(topo, delay_ms=25)
+    pdx = str(Path(sys.executable).with_name("pdx"))
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", topo.prefill, pdx, "probe-server", "--bind", PREFILL_ADDR,
+         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        port = re.search(r"tcp (\d+)", line).group(1)  # type: ignore[union-attr]
+        out = subprocess.run(
+            ["ip", "netns", "exec", topo.decode, pdx, "probe-link", f"{PREFILL_ADDR}:{port}",
+             "--duration", "1", "--omit", "0.5", "--max-duration", "2", "--phases",
+             "latency,throughput", "--json"],
+            capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    report = json.loads(out.stdout)
+    tcp = report["tcp"]
+    assert report["rtt_ms"]["p50"] == pytest.approx(50, abs=1.5)
+    assert tcp["server"]["congestion_control"] and tcp["client"]["congestion_control"]
+    best = max(report["throughput"]["up_gbps"], report["throughput"]["down_gbps"])
+    assert tcp["bdp_bytes"] == pytest.approx(best * 1e9 / 8 * tcp["rtt_ms"] / 1e3, rel=0.01)
+    # This kernel's default tcp_wmem max (4 MiB) cannot keep 1 Gbit/s x 50 ms in flight.
+    wmem = tcp["server"]["buffers"]["tcp_wmem_max"]
+    if wmem and wmem < tcp["bdp_bytes"]:
+        down = tcp["single_stream"]["down"]
+        assert down["capped_by_buffers"], down
+        assert down["cap"]["sysctl"] in ("net.ipv4.tcp_wmem", "net.ipv4.tcp_rmem")
+        assert down["cap"]["would_not_cap_bytes"] >= 2 * tcp["bdp_bytes"]
