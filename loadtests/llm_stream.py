@@ -11,6 +11,8 @@ pdx report too):
 - ITL  = gap between consecutive content-carrying SSE events (one value per gap)
 - queue = actual send time − intended send time (non-zero only in open loop, when the
   client had to wait for an in-flight slot; keeping it in TTFT/E2E avoids coordinated omission)
+- elapsed = time the client stopped waiting (answer, error, its own abort, or the end of the
+  step) − intended send time; it is what an overdue check compares with the deadline
 """
 
 from __future__ import annotations
@@ -145,6 +147,12 @@ class RequestRecord:
     content_events: int = 0
     pdx: dict[str, Any] | None = None
     worker_pid: int = field(default_factory=os.getpid)
+    elapsed_ms: float | None = None
+    response_id: str | None = None
+    aborted: bool = False  # the client cancelled it after the first token (by design)
+    unfinished: bool = False  # still waiting when the load stopped
+    output_ids: list[int] | None = None  # token ids the server streamed (return_token_ids)
+    prompt_ids: list[int] | None = None  # kept for a sample of requests (output replay)
 
     def to_json(self) -> str:
         """One JSONL line."""
@@ -179,6 +187,10 @@ def sse_events(chunks: Iterable[bytes]) -> Iterator[str]:
         data_lines.append(_field_value(tail))
     if data_lines:
         yield "\n".join(data_lines)
+
+
+def _token_ids(event: dict[str, Any]) -> list[int]:
+    return [int(t) for c in event.get("choices") or [] for t in c.get("token_ids") or []]
 
 
 def event_content(event: dict[str, Any]) -> bool:
@@ -240,6 +252,11 @@ def _absorb(rec: RequestRecord, event: dict[str, Any]) -> None:
         rec.usage_source = "server"
     if isinstance(event.get("pdx"), dict):
         rec.pdx = event["pdx"]
+    if rec.response_id is None and isinstance(event.get("id"), str):
+        rec.response_id = event["id"]
+    ids = _token_ids(event)
+    if ids:
+        rec.output_ids = (rec.output_ids or []) + ids
     if event.get("error"):
         err = event["error"]
         rec.error = str(err.get("message", err) if isinstance(err, dict) else err)[:300]
@@ -252,12 +269,31 @@ def stream_completion(
     rec: RequestRecord,
     t_intended: float,
     timeout_s: float,
+    *,
+    abort_after_first: bool = False,
 ) -> RequestRecord:
     """POST one streaming request with a ``requests``-like session and time every event.
 
     ``t_intended`` is a ``time.perf_counter()`` stamp; all latencies are measured from it.
+    ``abort_after_first``: close the stream as soon as the first content event arrives (a client
+    that gives up mid-stream); the record is ``aborted`` with its TTFT, neither ok nor failed.
     """
     rec.queue_ms = (time.perf_counter() - t_intended) * 1e3
+    try:
+        return _stream(session, url, body, rec, t_intended, timeout_s, abort_after_first)
+    finally:
+        rec.elapsed_ms = (time.perf_counter() - t_intended) * 1e3
+
+
+def _stream(
+    session: Any,
+    url: str,
+    body: dict[str, Any],
+    rec: RequestRecord,
+    t_intended: float,
+    timeout_s: float,
+    abort_after_first: bool,
+) -> RequestRecord:
     content_times: list[float] = []
     first_choice: float | None = None
     done = False
@@ -279,6 +315,11 @@ def stream_completion(
                     first_choice = now
                 if event_content(event):
                     content_times.append(now)
+                    if abort_after_first and rec.error is None:
+                        rec.aborted = True
+                        rec.ttft_ms = (now - t_intended) * 1e3
+                        resp.close()  # the connection goes away mid-stream, as a leaving client's
+                        return rec
     except Exception as exc:  # any transport/protocol failure is a failed request, with its cause
         rec.error = f"{type(exc).__name__}: {exc}"[:300]
         return rec

@@ -24,6 +24,7 @@ from typing import Any
 
 import gevent
 import requests
+from gevent import GreenletExit
 from gevent.lock import BoundedSemaphore
 from gevent.pool import Group
 from llm_stream import (
@@ -56,6 +57,12 @@ def _add_options(parser: Any) -> None:
     parser.add_argument("--pdx-timeout-s", type=float, default=120.0)
     parser.add_argument("--pdx-seed", type=int, default=0)
     parser.add_argument("--pdx-records", default="", help="directory for per-request JSONL")
+    parser.add_argument(
+        "--pdx-abort-fraction", type=float, default=0.0, help="cancel after the first token"
+    )
+    parser.add_argument(
+        "--pdx-keep-prompts", type=int, default=0, help="keep prompt ids of ~N requests per user"
+    )
 
 
 _environment: Any = None
@@ -73,12 +80,6 @@ def _on_init(environment: Any, **_kw: Any) -> None:
         opts.pdx_users_total = max(1, int(opts.num_users or 1))
 
 
-@events.test_stop.add_listener
-def _on_stop(**_kw: Any) -> None:
-    if _records_file is not None:
-        _records_file.flush()
-
-
 @events.quit.add_listener
 def _final_csv(**_kw: Any) -> None:
     """Let Locust's CSV writer write once more after the last request, before it closes.
@@ -90,6 +91,12 @@ def _final_csv(**_kw: Any) -> None:
     opts = getattr(env, "parsed_options", None)
     if opts is not None and opts.csv_prefix and not isinstance(env.runner, WorkerRunner):
         gevent.sleep(stats.CSV_STATS_INTERVAL_SEC + 0.2)
+
+
+@events.test_stop.add_listener
+def _on_stop(**_kw: Any) -> None:
+    if _records_file is not None:
+        _records_file.flush()
 
 
 def _record(rec: RequestRecord, opts: Any) -> None:
@@ -116,7 +123,10 @@ def _fire(environment: Any, name: str, ms: float, length: int = 0, exc: Any = No
 
 def report(environment: Any, rec: RequestRecord) -> None:
     """Turn one measured request into Locust entries and a JSONL record."""
-    if rec.ok and rec.ttft_ms is not None and rec.e2e_ms is not None:
+    if rec.aborted:
+        if rec.ttft_ms is not None:
+            _fire(environment, "ttft_aborted", rec.ttft_ms)
+    elif rec.ok and rec.ttft_ms is not None and rec.e2e_ms is not None:
         _fire(environment, "ttft", rec.ttft_ms)
         if rec.tpot_ms is not None:
             _fire(environment, "tpot", rec.tpot_ms)
@@ -154,17 +164,34 @@ class CompletionUser(User):
         self.session = requests.Session()
         self.pending = Group()
         self.slots = BoundedSemaphore(max(1, opts.pdx_max_inflight))
+        self.sent = 0
+
+    def _keep_prompt(self) -> bool:
+        """Keep the first N prompts, then each with chance N / sent (spread over the step)."""
+        keep = self.opts.pdx_keep_prompts
+        return keep > 0 and (self.sent <= keep or self.rng.random() < keep / self.sent)
 
     def _one(self, t_intended: float, mode: str) -> None:
         sample = self.prompts.next()
+        self.sent += 1
         rec = RequestRecord(
             t_intended_s=time.time() - (time.perf_counter() - t_intended),
             mode=mode,
             input_len=sample.input_len,
             output_len_requested=sample.output_len,
         )
+        if isinstance(sample.prompt, list) and self._keep_prompt():
+            rec.prompt_ids = sample.prompt
         body = build_body(sample, self.opts.pdx_model or None, self.extra)
-        stream_completion(self.session, self.url, body, rec, t_intended, self.opts.pdx_timeout_s)
+        abort = self.rng.random() < self.opts.pdx_abort_fraction
+        try:
+            stream_completion(self.session, self.url, body, rec, t_intended,
+                              self.opts.pdx_timeout_s, abort_after_first=abort)  # fmt: skip
+        except GreenletExit:
+            # The run ended while this request waited: record it (a hang must not vanish).
+            rec.unfinished, rec.error = True, "unfinished: the load stopped while it waited"
+            _record(rec, self.environment.parsed_options)
+            raise
         report(self.environment, rec)
 
     def _open_one(self, t_intended: float) -> None:

@@ -6,29 +6,110 @@ Margins are signed so that positive always means "room to spare": for a maximum,
 
 from __future__ import annotations
 
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field, model_validator
 
+from pdx.accept import confidence as ci
 from pdx.accept.playbook import Criteria, Step, Validity
 
-# criterion name → (how to read it from a step summary, "max" or "min", unit)
-_CRITERIA: dict[str, tuple[str, str, str]] = {
-    "ttft_p50_ms": ("ttft_ms.p50", "max", "ms"),
-    "ttft_p99_ms": ("ttft_ms.p99", "max", "ms"),
-    "tpot_p99_ms": ("tpot_ms.p99", "max", "ms"),
-    "transfer_p50_ms": ("transfer_ms.p50", "max", "ms"),
-    "transfer_p99_ms": ("transfer_ms.p99", "max", "ms"),
-    "transfer_success_min": ("transfer_success", "min", "fraction"),
-    "retry_rate_max": ("retry_rate", "max", "fraction"),
-    "degrade_rate_max": ("degrade_rate", "max", "fraction"),
-    "error_rate_max": ("error_rate", "max", "fraction"),
-    "eviction_rate_max": ("eviction_rate", "max", "fraction"),
+Result = Literal["pass", "fail", "indeterminate"]
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """How one criterion is read from a step summary and which bounds judge it."""
+
+    path: str  # the measured value in the summary
+    kind: ci.Kind
+    unit: str
+    method: Literal["quantile", "proportion", "poisson", "observed", "ratio"]
+    q: float = 0.0  # quantile criteria
+    values: str = ""  # quantile criteria: the per-request values in ``samples``
+    k: str = ""  # rate criteria: the count ...
+    n: str = ""  # ... out of this many
+    unit_of_sample: str = "requests"
+
+
+def _quantile(path: str, q: float, values: str, of: str = "requests") -> _Spec:
+    return _Spec(path, "max", "ms", "quantile", q=q, values=values, unit_of_sample=of)
+
+
+def _rate(path: str, kind: ci.Kind, k: str, n: str, of: str = "requests") -> _Spec:
+    return _Spec(path, kind, "fraction", "proportion", k=k, n=n, unit_of_sample=of)
+
+
+_CRITERIA: dict[str, _Spec] = {
+    "ttft_p50_ms": _quantile("ttft_ms.p50", 0.50, "ttft_ms"),
+    "ttft_p99_ms": _quantile("ttft_ms.p99", 0.99, "ttft_ms"),
+    "tpot_p50_ms": _quantile("tpot_ms.p50", 0.50, "tpot_ms"),
+    "tpot_p99_ms": _quantile("tpot_ms.p99", 0.99, "tpot_ms"),
+    "transfer_p50_ms": _quantile("transfer_ms.p50", 0.50, "transfer_ms", "transfers"),
+    "transfer_p99_ms": _quantile("transfer_ms.p99", 0.99, "transfer_ms", "transfers"),
+    "transfer_success_min": _rate(
+        "transfer_success", "min", "transfers_succeeded", "transfers_attempted", "transfers"
+    ),
+    # Retries per transfer can exceed one: a count per exposure, judged with Poisson bounds.
+    "retry_rate_max": _Spec(
+        "retry_rate",
+        "max",
+        "fraction",
+        "poisson",
+        k="retries",
+        n="transfers_attempted",
+        unit_of_sample="transfers",
+    ),
+    "degrade_rate_max": _rate("degrade_rate", "max", "degraded", "requests"),
+    "error_rate_max": _rate("error_rate", "max", "failed", "requests"),
+    "eviction_rate_max": _rate("eviction_rate", "max", "kv_evicted", "kv_created", "KV objects"),
+    "silent_fallback_max": _rate(
+        "silent_fallback_rate",
+        "max",
+        "silent_fallback",
+        "labelled_disaggregated",
+        "disaggregated requests",
+    ),
+    "output_mismatch_max": _rate(
+        "output_mismatch_rate", "max", "replay_mismatches", "replayed", "replayed requests"
+    ),
+    "overdue_requests_max": _rate("overdue_rate", "max", "overdue", "overdue_judged"),
+    "kv_stranded_max_s": _Spec(
+        "kv_stranded_max_s", "max", "s", "observed", n="kv_objects", unit_of_sample="KV objects"
+    ),
+    "idle_ttft_ratio_max": _Spec(
+        "idle_ttft_ratio",
+        "max",
+        "x",
+        "ratio",
+        q=0.99,
+        values="steady_ttft_ms",
+        n="steady_requests",
+    ),
+}
+
+# Judged only where their facts were collected (a target that reports them, an idle-gap step).
+GATES = frozenset(
+    {"silent_fallback_max", "output_mismatch_max", "kv_stranded_max_s", "overdue_requests_max",
+     "idle_ttft_ratio_max"}
+)  # fmt: skip
+
+METHODS = {
+    "quantile": "order statistics (distribution-free)",
+    "proportion": "Clopper-Pearson (exact binomial)",
+    "poisson": "Garwood (exact Poisson)",
+    "observed": "observed maximum",
+    "ratio": "burst p99 as observed / steady p99 with order-statistic bounds",
 }
 
 
 class CriterionResult(BaseModel):
-    """One criterion judged on one step."""
+    """One criterion judged on one step.
+
+    ``interval`` is ``[low, high]``: the one-sided bounds at ``confidence`` (null = unbounded
+    on that side); ``result`` is pass only when the whole interval clears the threshold.
+    """
 
     name: str
     step: str
@@ -38,6 +119,23 @@ class CriterionResult(BaseModel):
     passed: bool
     unit: str
     note: str = ""
+    result: Result = "pass"
+    confidence: float = Field(default=0.0, description="0 = a point estimate, no interval")
+    interval: tuple[float | None, float | None] | None = None
+    requests_needed: int | None = Field(
+        default=None, description="sample size that would decide an indeterminate criterion"
+    )
+    method: str = ""
+    sample: int | None = Field(default=None, description="how many requests/transfers/objects")
+    sample_unit: str = "requests"
+
+    @model_validator(mode="before")
+    @classmethod
+    def _result_from_passed(cls, data: Any) -> Any:
+        # Reports written before results had three values carry only ``passed``.
+        if isinstance(data, dict) and "result" not in data and "passed" in data:
+            data = {**data, "result": "pass" if data["passed"] else "fail"}
+        return data
 
 
 class ValidityResult(BaseModel):
@@ -61,41 +159,195 @@ def read_path(summary: dict[str, Any], path: str) -> float | None:
     return float(node)
 
 
-def judge_step(step: Step, summary: dict[str, Any], criteria: Criteria) -> list[CriterionResult]:
-    """Every configured criterion for one step."""
+def judge_step(
+    step: Step,
+    summary: dict[str, Any],
+    criteria: Criteria,
+    samples: dict[str, list[float]] | None = None,
+    confidence: float = 0.0,
+) -> list[CriterionResult]:
+    """Every configured criterion for one step, judged at ``confidence`` (0 = point estimates).
+
+    ``samples`` holds the per-request values behind the quantile criteria (``ttft_ms``, ...).
+    """
     out: list[CriterionResult] = []
     for name, threshold in criteria.model_dump().items():
         if threshold is None:
             continue
-        path, kind, unit = _CRITERIA[name]
-        measured = read_path(summary, path)
+        spec = _CRITERIA[name]
+        if threshold == "auto":
+            threshold = summary.get("kv_stranded_bound_s")
+        measured = read_path(summary, spec.path)
+        if name in GATES and (measured is None or threshold is None):
+            continue  # not collected for this step: listed in summary["gates_not_measured"]
         if measured is None:
-            out.append(
-                CriterionResult(
-                    name=name,
-                    step=step.id,
-                    measured=None,
-                    threshold=threshold,
-                    margin=None,
-                    passed=_absent_passes(name, summary),
-                    unit=unit,
-                    note=_absent_note(name),
-                )
-            )
+            out.append(_absent(name, step, float(threshold), spec, summary))
             continue
-        margin = threshold - measured if kind == "max" else measured - threshold
         out.append(
-            CriterionResult(
-                name=name,
-                step=step.id,
-                measured=measured,
-                threshold=threshold,
-                margin=margin,
-                passed=margin >= 0,
-                unit=unit,
-            )
-        )
+            _judge(name, step.id, measured, float(threshold), spec, summary, samples or {},
+                   confidence)
+        )  # fmt: skip
     return out
+
+
+def _absent(name: str, step: Step, threshold: float, spec: _Spec, summary: dict[str, Any]) -> (
+    CriterionResult
+):  # fmt: skip
+    passed = _absent_passes(name, summary)
+    return CriterionResult(
+        name=name, step=step.id, measured=None, threshold=threshold, margin=None, passed=passed,
+        unit=spec.unit, note=_absent_note(name), result="pass" if passed else "fail",
+        method="no data", sample=0, sample_unit=spec.unit_of_sample,
+    )  # fmt: skip
+
+
+def _judge(
+    name: str,
+    step_id: str,
+    measured: float,
+    threshold: float,
+    spec: _Spec,
+    summary: dict[str, Any],
+    samples: dict[str, list[float]],
+    confidence: float,
+) -> CriterionResult:
+    margin = threshold - measured if spec.kind == "max" else measured - threshold
+    n = _sample_size(spec, summary, samples)
+    base: dict[str, Any] = {
+        "name": name,
+        "step": step_id,
+        "measured": measured,
+        "threshold": threshold,
+        "margin": margin,
+        "unit": spec.unit,
+        "sample": n,
+        "sample_unit": spec.unit_of_sample,
+    }
+    if spec.method in ("proportion", "poisson") and threshold == 0 and spec.kind == "max":
+        return _none_observed(base, spec, summary, confidence)
+    if confidence <= 0 or spec.method == "observed":
+        result: Result = "pass" if margin >= 0 else "fail"
+        how = "point estimate (judgement.confidence 0)" if confidence <= 0 else METHODS["observed"]
+        return CriterionResult(
+            **base,
+            passed=result == "pass",
+            result=result,
+            confidence=0.0,
+            interval=(measured, measured),
+            method=how,
+            note=_observed_note(spec, summary),
+        )
+    bounds = _bounds(spec, measured, summary, samples, confidence)
+    result = ci.decide(bounds, threshold, spec.kind)
+    needed = None
+    if result == "indeterminate":
+        needed = _needed(spec, threshold, summary, samples, confidence)
+    return CriterionResult(
+        **base, passed=result == "pass", result=result, confidence=confidence,
+        interval=bounds.as_pair(), requests_needed=needed, method=METHODS[spec.method],
+        note=_indeterminate_note(spec, bounds, needed) if result == "indeterminate" else "",
+    )  # fmt: skip
+
+
+def _count(summary: dict[str, Any], path: str) -> int:
+    value = read_path(summary, path)
+    return int(value) if value is not None else 0
+
+
+def _sample_size(spec: _Spec, summary: dict[str, Any], samples: dict[str, list[float]]) -> int:
+    if spec.method == "quantile":
+        return len(samples.get(spec.values) or []) or _count(summary, spec.values + ".count")
+    return _count(summary, spec.n)
+
+
+def _bounds(
+    spec: _Spec,
+    measured: float,
+    summary: dict[str, Any],
+    samples: dict[str, list[float]],
+    confidence: float,
+) -> ci.Bounds:
+    if spec.method == "quantile":
+        return ci.quantile_bounds(samples.get(spec.values) or [], spec.q, confidence)
+    if spec.method == "ratio":
+        steady = ci.quantile_bounds(samples.get(spec.values) or [], spec.q, confidence)
+        burst = float(summary.get("burst_ttft_p99_ms") or 0.0)
+        return ci.Bounds(
+            burst / steady.high if steady.high else 0.0,
+            burst / steady.low if steady.low else None,
+        )
+    k, n = _count(summary, spec.k), _count(summary, spec.n)
+    if spec.method == "poisson":
+        return ci.poisson_rate_bounds(k, n, confidence)
+    return ci.proportion_bounds(k, n, confidence)
+
+
+def _needed(
+    spec: _Spec,
+    threshold: float,
+    summary: dict[str, Any],
+    samples: dict[str, list[float]],
+    confidence: float,
+) -> int | None:
+    values = samples.get(spec.values) or []
+    if spec.method == "quantile":
+        return ci.quantile_needed(values, spec.q, threshold, confidence)
+    if spec.method == "ratio":
+        # pass ⇔ steady p99's lower bound ≥ burst / threshold: decided as a quantile at that value
+        burst = float(summary.get("burst_ttft_p99_ms") or 0.0)
+        return ci.quantile_needed(values, spec.q, burst / threshold, confidence)
+    k, n = _count(summary, spec.k), _count(summary, spec.n)
+    if spec.method == "poisson":
+        return ci.poisson_needed(k, n, threshold, spec.kind, confidence)
+    return ci.proportion_needed(k, n, threshold, spec.kind, confidence)
+
+
+def _none_observed(
+    base: dict[str, Any], spec: _Spec, summary: dict[str, Any], confidence: float
+) -> CriterionResult:
+    """Threshold 0: judged on the count; the interval says what rate the sample bounds it to."""
+    k, n = _count(summary, spec.k), _count(summary, spec.n)
+    result: Result = "pass" if k == 0 else "fail"
+    bounds = (
+        (ci.poisson_rate_bounds if spec.method == "poisson" else ci.proportion_bounds)(
+            k, n, confidence
+        )
+        if confidence > 0
+        else ci.Bounds(base["measured"], base["measured"])
+    )
+    at = f"{confidence:.0%}" if confidence > 0 else "a point estimate"
+    high = bounds.high if bounds.high is not None else math.inf
+    note = (
+        f"none observed in {n} {spec.unit_of_sample}: rate <= {high:.3%} at {at}"
+        if k == 0
+        else f"{k} observed in {n} {spec.unit_of_sample} (threshold 0: none allowed)"
+    )
+    return CriterionResult(
+        **base,
+        passed=k == 0,
+        result=result,
+        confidence=confidence,
+        interval=bounds.as_pair(),
+        method="count (threshold 0)",
+        note=note,
+    )
+
+
+def _observed_note(spec: _Spec, summary: dict[str, Any]) -> str:
+    if spec.method != "observed":
+        return ""
+    over = int(summary.get("kv_stranded_over_bound") or 0)
+    held = int(summary.get("kv_stranded_still_held") or 0)
+    parts = [f"{over} of {int(summary.get('kv_objects') or 0)} KV objects over the bound"]
+    if held:
+        parts.append(f"{held} still held when the step ended")
+    return "; ".join(parts)
+
+
+def _indeterminate_note(spec: _Spec, bounds: ci.Bounds, needed: int | None) -> str:
+    if needed is None:
+        return "the interval straddles the threshold; no sample size at this rate decides it"
+    return f"needs about {needed:,} {spec.unit_of_sample} at the observed value to decide"
 
 
 def _absent_passes(name: str, summary: dict[str, Any]) -> bool:
@@ -140,7 +392,7 @@ def check_validity(
     )
 
 
-_LATENCY = {"ttft_p50_ms", "ttft_p99_ms", "tpot_p99_ms"}
+_LATENCY = {"ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"}
 
 
 def load_caps(failed: list[CriterionResult], steps: list[tuple[Step, dict[str, Any]]]) -> list[str]:
@@ -205,7 +457,7 @@ def recommendations(
         )
     if names & _LATENCY:
         recs += load_caps(failed, steps)
-    if "tpot_p99_ms" in names:
+    if names & {"tpot_p50_ms", "tpot_p99_ms"}:
         recs.append("TPOT over SLA: lower decode.max_batch or add decode instances")
     if names & {"transfer_p50_ms", "transfer_p99_ms", "transfer_success_min"}:
         recs.append(
@@ -225,4 +477,85 @@ def recommendations(
         recs.append("failed requests: see each step's error causes; 429s mean add decode capacity")
     if "eviction_rate_max" in names:
         recs.append("KV evicted before use: raise kv.store_budget_bytes or kv_ttl_seconds")
+    recs += _gate_recommendations(names)
     return recs
+
+
+def _gate_recommendations(names: set[str]) -> list[str]:
+    recs = []
+    if "silent_fallback_max" in names:
+        recs.append(
+            "requests labelled disaggregated were prefilled on decode (no KV read, or a local "
+            "prefill): the KV did not arrive or could not be loaded; fix that, and have decode "
+            "report it as degraded (decode.kv_load_failure_policy: degrade) instead of hiding it"
+        )
+    if "output_mismatch_max" in names:
+        recs.append(
+            "greedy tokens from shipped KV differ from a local prefill: the KV codec or its "
+            "transfer changes the model's output; use a lossless codec (raw, zstd) or measure "
+            "the codec's token agreement with pdx measure-kv before choosing it"
+        )
+    if "kv_stranded_max_s" in names:
+        recs.append(
+            "KV objects stayed held after their request ended: decode must release KV it will "
+            "not use (aborted, failed or degraded requests) and the store must expire it; "
+            "lower kv.kv_ttl_seconds to bound what a crash can strand"
+        )
+    if "overdue_requests_max" in names:
+        recs.append(
+            "requests waited past their deadline: every wait needs a deadline shorter than the "
+            "request's own (kv.kv_transfer_timeout_ms, gateway.request_timeout_s) so a failure "
+            "ends in an error or a degraded answer, not in a hang"
+        )
+    if "idle_ttft_ratio_max" in names:
+        recs.append(
+            "the first burst after idle is much slower than steady load: keep KV connections "
+            "warm (keepalive) or re-establish them before use"
+        )
+    return recs
+
+
+_RATE_KEYS = {
+    "requests": "requests",
+    "transfers": "transfers_attempted",
+    "disaggregated requests": "labelled_disaggregated",
+    "KV objects": "kv_objects",
+}
+
+
+def undecided_steps(
+    results: list[CriterionResult], steps: list[tuple[Step, dict[str, Any]]]
+) -> list[str]:
+    """For each step with an indeterminate criterion: how long it would have to run to decide.
+
+    The sample each criterion needs is turned into time at the rate this step produced it.
+    """
+    lines = []
+    summaries = {step.id: (step, summary) for step, summary in steps}
+    for step_id in dict.fromkeys(c.step for c in results if c.result == "indeterminate"):
+        step, summary = summaries.get(step_id, (None, {}))
+        elapsed = float(summary.get("elapsed_s") or 0.0)
+        needs, durations = [], []
+        for c in results:
+            if c.step != step_id or c.result != "indeterminate":
+                continue
+            if c.requests_needed is None:
+                needs.append(f"{c.name}: no sample size decides it at the observed value")
+                continue
+            needs.append(f"{c.name}: {c.requests_needed:,} {c.sample_unit}")
+            if c.sample_unit == "replayed requests":
+                needs[-1] += f" (set judgement.replay_requests={c.requests_needed})"
+                continue
+            produced = float(summary.get(_RATE_KEYS.get(c.sample_unit, "requests")) or 0)
+            if produced > 0 and elapsed > 0:
+                durations.append(c.requests_needed / (produced / elapsed))
+        how_long = ""
+        if durations and step is not None:
+            need_s = math.ceil(max(durations))
+            how_long = (
+                f"run it for at least {need_s} s (matrix.duration_s={need_s}; "
+                f"it ran {elapsed:.0f} s) at the rate it reached"
+            )
+        lines.append(f"{step_id} undecided: {how_long + '; ' if how_long else ''}"
+                     + "; ".join(needs))  # fmt: skip
+    return lines

@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import csv
 import json
+import math
 import socket
 import sys
 from pathlib import Path
@@ -74,6 +75,12 @@ def step_args(pb: Playbook, step: Step, url: str, records_dir: Path) -> list[str
     ]
     if pb.target.model:
         args += ["--pdx-model", pb.target.model]
+    if pb.load.abort_fraction:
+        args += ["--pdx-abort-fraction", f"{pb.load.abort_fraction:g}"]
+    if pb.judgement.replay_requests:
+        # Prompts are kept for a sample of each user's requests, enough to replay from.
+        keep = math.ceil(2 * pb.judgement.replay_requests / users) + 1
+        args += ["--pdx-keep-prompts", str(keep)]
     if step.rate_rps is not None:
         args += ["--pdx-mode", "open", "--pdx-rate", f"{step.rate_rps:g}"]
         args += ["--pdx-max-inflight", str(pb.load.max_inflight)]

@@ -100,6 +100,8 @@ class Condition(BaseModel):
     ``link_down_at_s`` into the step for ``link_down_for_s`` seconds. Under ``target.netns``
     ``delay_ms``, ``jitter_ms``, ``loss`` and ``bandwidth_mbps`` are packet-level conditions of
     the router hop instead (TCP itself sees the RTT and the lost packets).
+    ``idle_s`` (the idle-gap condition) sends nothing for that long before the step's load
+    starts, so its first requests are a burst after idle (judged by ``idle_ttft_ratio_max``).
     """
 
     model_config = _Strict
@@ -110,7 +112,10 @@ class Condition(BaseModel):
     bandwidth_mbps: PositiveFloat | None = None
     link_down_at_s: Annotated[float, Field(ge=0)] | None = None
     link_down_for_s: PositiveFloat | None = None
-    criteria: dict[str, float | None] = Field(
+    idle_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = Field(
+        default=0.0, description="idle-gap: seconds with no request before the step's load"
+    )
+    criteria: dict[str, float | str | None] = Field(
         default_factory=dict,
         description="criteria that differ under this condition (null = not judged here)",
     )
@@ -123,10 +128,11 @@ class Condition(BaseModel):
 
     @field_validator("criteria")
     @classmethod
-    def _known_criteria(cls, value: dict[str, float | None]) -> dict[str, float | None]:
+    def _known_criteria(cls, value: dict[str, float | str | None]) -> dict[str, float | str | None]:
         unknown = sorted(set(value) - set(Criteria.model_fields))
         if unknown:
             raise ValueError(f"unknown criteria {unknown}; known: {sorted(Criteria.model_fields)}")
+        Criteria.model_validate(value)  # the same ranges as the playbook's own criteria
         return value
 
     @property
@@ -141,12 +147,21 @@ class Condition(BaseModel):
         )
 
 
+Fraction = Annotated[float, Field(ge=0, le=1)]
+
+
 class Criteria(BaseModel):
-    """Acceptance thresholds; ``None`` = not judged. Rates are fractions (0.01 = 1 %)."""
+    """Acceptance thresholds; ``None`` = not judged. Rates are fractions (0.01 = 1 %).
+
+    A rate threshold of exactly 0 means "none observed" (judged on the count). The gates
+    (``silent_fallback_max`` … ``idle_ttft_ratio_max``) read the servers' own per-request
+    records; see docs/accept.md for what each counts.
+    """
 
     model_config = _Strict
     ttft_p50_ms: PositiveFloat | None = None
     ttft_p99_ms: PositiveFloat | None = None
+    tpot_p50_ms: PositiveFloat | None = None
     tpot_p99_ms: PositiveFloat | None = None
     transfer_p50_ms: PositiveFloat | None = None
     transfer_p99_ms: PositiveFloat | None = None
@@ -155,6 +170,58 @@ class Criteria(BaseModel):
     degrade_rate_max: Annotated[float, Field(ge=0)] | None = 0.01
     error_rate_max: Annotated[float, Field(ge=0, le=1)] | None = 0.0
     eviction_rate_max: Annotated[float, Field(ge=0)] | None = None
+    silent_fallback_max: Fraction | None = Field(
+        default=0.01,
+        description="share of requests labelled disaggregated whose decode did not use "
+        "shipped KV (no KV bytes read, or decode prefilled the prompt itself)",
+    )
+    output_mismatch_max: Fraction | None = Field(
+        default=0.0,
+        description="share of replayed greedy requests whose tokens differ on the local route",
+    )
+    kv_stranded_max_s: Annotated[float, Field(ge=0)] | Literal["auto"] | None = Field(
+        default="auto",
+        description="longest time a KV object stays held after its request ended; "
+        "auto = the deploy's kv_transfer_timeout_ms + 2 x the probed RTT p99",
+    )
+    overdue_requests_max: Fraction | None = Field(
+        default=0.0,
+        description="share of requests still unanswered past judgement.request_deadline_s "
+        "+ 2 x RTT",
+    )
+    idle_ttft_ratio_max: PositiveFloat | None = Field(
+        default=2.0,
+        description="idle-gap steps: burst TTFT p99 / steady TTFT p99 of the same step",
+    )
+
+
+class Judgement(BaseModel):
+    """How criteria are judged: confidence, the replay sample and each request's deadline."""
+
+    model_config = _Strict
+    confidence: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = Field(
+        default=0.95,
+        description="one-sided confidence of every bound; 0 = judge point estimates (labelled)",
+    )
+    replay_requests: Annotated[int, Field(ge=0, le=1000)] = Field(
+        default=16,
+        description="per step, greedy requests replayed on the local route (output_mismatch_max)",
+    )
+    request_deadline_s: PositiveFloat | None = Field(
+        default=None,
+        description="each request's own deadline (overdue_requests_max); default: the deploy's "
+        "gateway.request_timeout_s, or load.timeout_s for target.url",
+    )
+    idle_burst_s: PositiveFloat = Field(
+        default=1.0, description="idle-gap: requests sent this long after the gap are the burst"
+    )
+
+    @field_validator("confidence")
+    @classmethod
+    def _meaningful(cls, value: float) -> float:
+        if 0 < value < 0.5:
+            raise ValueError("expected 0 (point estimates) or a confidence in [0.5, 1)")
+        return value
 
 
 class Validity(BaseModel):
@@ -186,6 +253,9 @@ class Load(BaseModel):
     warmup_requests: Annotated[int, Field(ge=0, le=100)] = Field(
         default=3, description="unmeasured requests sent before the first step"
     )
+    abort_fraction: Annotated[float, Field(ge=0, lt=1)] = Field(
+        default=0.0, description="share of requests the client cancels after the first token"
+    )
 
 
 class Preflight(BaseModel):
@@ -216,6 +286,7 @@ class Playbook(BaseModel):
     matrix: Matrix
     conditions: dict[str, Condition] = Field(default_factory=lambda: {"normal": Condition()})
     criteria: Criteria = Field(default_factory=Criteria)
+    judgement: Judgement = Field(default_factory=lambda: Judgement())
     validity: Validity = Field(default_factory=lambda: Validity())
     load: Load = Field(default_factory=lambda: Load())
     preflight: Preflight = Field(default_factory=Preflight)
@@ -287,7 +358,9 @@ def expand_steps(pb: Playbook) -> list[Step]:
 def step_criteria(pb: Playbook, step: Step) -> Criteria:
     """The global criteria with this step's condition overrides applied."""
     overrides = pb.conditions[step.network].criteria
-    return pb.criteria.model_copy(update=overrides) if overrides else pb.criteria
+    if not overrides:
+        return pb.criteria
+    return Criteria.model_validate({**pb.criteria.model_dump(), **overrides})
 
 
 def load_playbook(path: Path | str, *, dotted: list[str] | None = None) -> Playbook:

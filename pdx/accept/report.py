@@ -46,6 +46,10 @@ class StepReport(BaseModel):
     )
     timeline: list[dict[str, Any]] = Field(default_factory=list)
     recovery_s: float | None = None
+    kv_stranded_byte_s: float | None = Field(
+        default=None,
+        description="Σ bytes × seconds the step's KV objects stayed held after request end",
+    )
     resources: list[dict[str, Any]] = Field(default_factory=list)
     raw: dict[str, str] = Field(default_factory=dict, description="raw files, relative paths")
 
@@ -56,7 +60,7 @@ class Report(BaseModel):
     model_config = ConfigDict(extra="forbid")
     schema_version: Literal[1] = 1
     name: str
-    verdict: Literal["GO", "NO-GO"]
+    verdict: Literal["GO", "NO-GO", "INCONCLUSIVE"]
     valid: bool
     complete: bool
     exit_code: int
@@ -68,6 +72,13 @@ class Report(BaseModel):
     recommendations: list[str]
     steps: list[StepReport]
     formulas: dict[str, str]
+    metric_names: dict[str, dict[str, str]] = Field(
+        default_factory=dict,
+        description="each latency metric's name in vllm bench serve, AIPerf, guidellm, MLPerf",
+    )
+    confidence: float = Field(
+        default=0.0, description="judgement.confidence; 0 = criteria judged on point estimates"
+    )
     preflight: dict[str, Any] | None = None
     playbook: dict[str, Any]
     environment: dict[str, Any]
@@ -122,8 +133,27 @@ def _fmt(value: float | None, unit: str = "") -> str:
     return f"{value:.4g}{(' ' + unit) if unit else ''}"
 
 
+def _interval(c: CriterionResult) -> str:
+    if c.interval is None:
+        return "—"
+    if c.method == "observed maximum":
+        return "observed"
+    if c.confidence <= 0:
+        return "point estimate"
+    low, high = c.interval
+    lo = "−∞" if low is None else _fmt(low, c.unit)
+    hi = "+∞" if high is None else _fmt(high, c.unit)
+    return f"[{lo}, {hi}]"
+
+
+def result_cell(c: CriterionResult) -> str:
+    """pass / FAIL / UNDECIDED, with what would decide it."""
+    word = {"pass": "pass", "fail": "FAIL", "indeterminate": "UNDECIDED"}[c.result]
+    return word + (f" ({c.note})" if c.note else "")
+
+
 def criteria_rows(report: Report) -> list[list[str]]:
-    """Criterion table rows: name, step, measured, threshold, margin, result."""
+    """Criterion table rows: name, step, measured, threshold, margin, interval, n, result."""
     return [
         [
             c.name,
@@ -131,7 +161,9 @@ def criteria_rows(report: Report) -> list[list[str]]:
             _fmt(c.measured, c.unit),
             _fmt(c.threshold, c.unit),
             _fmt(c.margin, c.unit),
-            ("pass" if c.passed else "FAIL") + (f" ({c.note})" if c.note else ""),
+            _interval(c),
+            "—" if c.sample is None else f"{c.sample:,}",
+            result_cell(c),
         ]
         for c in report.criteria
     ]
@@ -180,7 +212,16 @@ STEP_HEADERS = [
     "retries",
     "req/s",
 ]
-CRITERIA_HEADERS = ["criterion", "step", "measured", "threshold", "margin", "result"]
+CRITERIA_HEADERS = [
+    "criterion",
+    "step",
+    "measured",
+    "threshold",
+    "margin",
+    "interval",
+    "n",
+    "result",
+]
 
 
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -191,11 +232,44 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def _headline(report: Report) -> str:
     state = "" if report.complete else " (INCOMPLETE: interrupted or failed before the end)"
-    failed = sum(1 for c in report.criteria if not c.passed)
+    met = sum(1 for c in report.criteria if c.result == "pass")
+    undecided = sum(1 for c in report.criteria if c.result == "indeterminate")
+    how = (
+        f"at {report.confidence:.0%} confidence"
+        if report.confidence > 0
+        else "on point estimates (no confidence)"
+    )
     return (
         f"{report.verdict}{state} — run {'VALID' if report.valid else 'INVALID'}; "
-        f"{len(report.criteria) - failed}/{len(report.criteria)} criteria met"
+        f"{met}/{len(report.criteria)} criteria met"
+        + (f", {undecided} undecided" if undecided else "")
+        + f" {how}"
     )
+
+
+def statistics_line(report: Report) -> str:
+    """How the criteria were judged, in one sentence."""
+    if report.confidence <= 0:
+        return (
+            "Criteria are judged on point estimates (judgement.confidence 0): no interval, no "
+            "statement about what the sample proves."
+        )
+    c = report.confidence
+    return (
+        f"Each interval is [lower, upper] one-sided bounds at {c:.0%} confidence (together a "
+        f"{2 * c - 1:.0%} two-sided interval): pass only when the whole interval clears the "
+        "threshold, FAIL when it lies wholly beyond it, UNDECIDED otherwise (with the sample "
+        "that would decide it). Quantiles: order statistics; rates: Clopper-Pearson; retries "
+        "per transfer: Garwood; a threshold of 0 is judged on the count."
+    )
+
+
+def _metric_names_md(report: Report) -> str:
+    if not report.metric_names:
+        return ""
+    tools = list(next(iter(report.metric_names.values())))
+    rows = [[m, *(names.get(t, "") for t in tools)] for m, names in report.metric_names.items()]
+    return "\n\nThe same quantities in other tools:\n\n" + _md_table(["pdx", *tools], rows)
 
 
 def _gateway_counts(mdelta: dict[str, float]) -> str:
@@ -282,7 +356,12 @@ def render_markdown(report: Report) -> str:
         parts.append("Problems:\n" + "\n".join(f"- {p}" for p in report.problems))
     if report.recommendations:
         parts.append("## What to change\n" + "\n".join(f"- {r}" for r in report.recommendations))
-    parts.append("## Criteria\n" + _md_table(CRITERIA_HEADERS, criteria_rows(report)))
+    parts.append(
+        "## Criteria\n"
+        + statistics_line(report)
+        + "\n\n"
+        + _md_table(CRITERIA_HEADERS, criteria_rows(report))
+    )
     invalid = [v for v in report.validity if not v.valid]
     parts.append(
         "## Validity\n"
@@ -303,7 +382,11 @@ def render_markdown(report: Report) -> str:
         )
     if report.plots:
         parts.append("## Plots\n" + "\n".join(f"![{p}]({p})" for p in report.plots))
-    parts.append("## Formulas\n" + "\n".join(f"- `{k}` = {v}" for k, v in report.formulas.items()))
+    parts.append(
+        "## Formulas\n"
+        + "\n".join(f"- `{k}` = {v}" for k, v in report.formulas.items())
+        + _metric_names_md(report)
+    )
     return "\n\n".join(parts) + "\n"
 
 
@@ -363,7 +446,7 @@ def _probe_lines(probe: dict[str, Any], s: dict[str, Any]) -> list[str]:
 
 
 def _css_class(cell: str) -> str:
-    return "fail" if cell.startswith(("FAIL", "INVALID")) else ""
+    return "fail" if cell.startswith(("FAIL", "INVALID", "UNDECIDED")) else ""
 
 
 def _html_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -381,6 +464,7 @@ _CSS = """
 body{font-family:system-ui,sans-serif;margin:2em;color:#222;max-width:1200px}
 .verdict{font-size:2em;font-weight:bold;padding:.4em .6em;border-radius:6px;display:inline-block}
 .GO{background:#d8f5d0;color:#185c0f}.NO-GO{background:#fbd5d5;color:#8a1010}
+.INCONCLUSIVE{background:#fdf0c4;color:#6b4d00}
 table{border-collapse:collapse;margin:1em 0;font-size:.9em}
 td,th{border:1px solid #bbb;padding:.25em .5em;text-align:left}th{background:#eee}
 td.fail{color:#8a1010;font-weight:bold}img{max-width:100%;border:1px solid #ddd;margin:.5em 0}
@@ -403,7 +487,10 @@ def render_html(report: Report, images: dict[str, str]) -> str:
     if report.recommendations:
         items = "".join(f"<li>{esc(r)}</li>" for r in report.recommendations)
         parts.append(f"<h2>What to change</h2><ul>{items}</ul>")
-    parts.append("<h2>Criteria</h2>" + _html_table(CRITERIA_HEADERS, criteria_rows(report)))
+    parts.append(
+        f"<h2>Criteria</h2><p>{esc(statistics_line(report))}</p>"
+        + _html_table(CRITERIA_HEADERS, criteria_rows(report))
+    )
     invalid = [v for v in report.validity if not v.valid]
     items = "".join(f"<li>{esc(v.step)}: {esc('; '.join(v.problems))}</li>" for v in invalid)
     parts.append(
@@ -425,6 +512,12 @@ def render_html(report: Report, images: dict[str, str]) -> str:
         f"<li><code>{esc(k)}</code> = {esc(v)}</li>" for k, v in report.formulas.items()
     )
     parts.append(f"<h2>Formulas</h2><ul>{items}</ul>")
+    if report.metric_names:
+        tools = list(next(iter(report.metric_names.values())))
+        rows = [[m, *(n.get(t, "") for t in tools)] for m, n in report.metric_names.items()]
+        parts.append(
+            "<h3>The same quantities in other tools</h3>" + _html_table(["pdx", *tools], rows)
+        )
     return (
         '<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
         f"<title>pdx accept: {esc(report.name)} {esc(report.verdict)}</title>"
@@ -457,11 +550,11 @@ def diff_reports(a: Report, b: Report) -> list[dict[str, Any]]:
             if cb is None
             else "only in B"
             if ca is None
-            else "now fails"
-            if ca.passed and not cb.passed
-            else "now passes"
-            if cb.passed and not ca.passed
             else "same"
+            if ca.result == cb.result
+            else {"fail": "now fails", "pass": "now passes", "indeterminate": "now undecided"}[
+                cb.result
+            ]
         )
         rows.append(
             {
@@ -474,6 +567,8 @@ def diff_reports(a: Report, b: Report) -> list[dict[str, Any]]:
                 "change": change,
                 "a_passed": ca.passed if ca else None,
                 "b_passed": cb.passed if cb else None,
+                "a_result": ca.result if ca else None,
+                "b_result": cb.result if cb else None,
                 "status": status,
                 "unit": ca.unit if ca else cb.unit if cb else "",
             }

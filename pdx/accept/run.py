@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pdx import __version__
 from pdx.accept import criteria as judge
+from pdx.accept.gates import GateContext, StepGates
 from pdx.accept.link import ProxyLink, counters_delta, proxy_acts
 from pdx.accept.loadgen import LocustRun, read_locust_stats, resolve_locustfile, step_args
 from pdx.accept.metrics import Snapshot, delta, scrape
@@ -27,7 +28,16 @@ from pdx.accept.netns_target import Topology
 from pdx.accept.playbook import Playbook, Step, expand_steps, playbook_dict, step_criteria
 from pdx.accept.report import Report, StepReport, write_report
 from pdx.accept.resources import TreeSampler
-from pdx.accept.stats import FORMULAS, derive_rates, read_records, recovery_s, summarize, timeline
+from pdx.accept.stats import (
+    FORMULAS,
+    METRIC_NAMES,
+    derive_rates,
+    read_records,
+    recovery_s,
+    samples,
+    summarize,
+    timeline,
+)
 from pdx.accept.target import DeployProcess, check_reachable
 from pdx.errors import MeasurementError, PdxError
 
@@ -86,6 +96,7 @@ class AcceptRun:
         self.target_info: dict[str, Any] = {}
         self.preflight: dict[str, Any] | None = None
         self.topology: Topology | None = None
+        self.gates: GateContext | None = None
 
     @property
     def total_s(self) -> float:
@@ -101,6 +112,7 @@ class AcceptRun:
         try:
             await self._start_target()
             await self._preflight()
+            self.gates = self._gate_context()
             if self.pb.load.warmup_requests and self.steps:
                 from pdx.accept.warmup import warm_up
 
@@ -146,12 +158,55 @@ class AcceptRun:
         from pdx.accept.deploy_target import start_deploy
 
         topology = await self._start_topology() if t.netns.enabled else None
+        t = self._with_audit(t)
         started = await start_deploy(self, t, needs_proxy=self._needs_proxy(), topology=topology)
         self.deploy, self.url = started.process, started.url
         if started.proxy is not None:
             self.link = ProxyLink(started.proxy, kernel_shaping=t.netns.enabled)
         self.sampler = TreeSampler(self.deploy.pid) if self.deploy.pid else None
         self.target_info = started.info
+
+    def _with_audit(self, t: Any) -> Any:
+        """The deploy writes its KV store audit and decode's request records under raw/."""
+        if any(item.startswith("kv.audit_dir=") for item in t.deploy_set):
+            return t
+        audit = (self.raw_dir / "kv-audit").resolve()
+        return t.model_copy(update={"deploy_set": [*t.deploy_set, f"kv.audit_dir={audit}"]})
+
+    def _audit_dir(self) -> Path | None:
+        if self.pb.target.deploy is None:
+            return None
+        from pdx.accept.preflight import deploy_config
+
+        pb = self.pb.model_copy(update={"target": self._with_audit(self.pb.target)})
+        configured = deploy_config(pb, self.playbook_dir).kv
+        return Path(configured.audit_dir) if configured.audit_dir else None
+
+    def _gate_context(self) -> GateContext:
+        """Deadlines and bounds of the gates, from the deploy config and the probed RTT."""
+        pb = self.pb
+        summary = ((self.preflight or {}).get("probe_link") or {}).get("summary") or {}
+        rtt_s = float(summary.get("rtt_p99_ms") or 0.0) / 1e3
+        deadline, bound = pb.judgement.request_deadline_s, None
+        if pb.target.deploy is not None:
+            from pdx.accept.preflight import deploy_config
+
+            cfg = deploy_config(pb, self.playbook_dir)
+            deadline = deadline or cfg.gateway.request_timeout_s
+            bound = cfg.kv.kv_transfer_timeout_ms / 1e3 + 2 * rtt_s
+        return GateContext(
+            url=self.url,
+            audit_dir=self._audit_dir(),
+            deadline_s=deadline or pb.load.timeout_s,
+            rtt_s=rtt_s,
+            stranded_bound_s=bound,
+            extra_body=dict(pb.target.extra_body),
+            model=pb.target.model,
+            timeout_s=pb.load.timeout_s,
+            replay_requests=pb.judgement.replay_requests,
+            idle_burst_s=pb.judgement.idle_burst_s,
+            seed=pb.seed,
+        )
 
     def _needs_proxy(self) -> bool:
         """Whether any step needs the proxy (under netns only delay, jitter and cuts do)."""
@@ -242,6 +297,8 @@ class AcceptRun:
         kernel = await self.topology.apply(cond) if self.topology else None
         router_before = await self.topology.counters() if self.topology else None
         proxy_before = await self.link.stats() if self.link else None
+        if cond.idle_s:  # idle-gap: nothing is sent, then the load starts as a burst
+            await asyncio.sleep(cond.idle_s)
         t0 = time.time()
         if self.link is not None:
             await self.link.apply(cond, t0)
@@ -263,11 +320,21 @@ class AcceptRun:
             from pdx.accept.netns_target import counters_delta as router_delta
 
             kernel["router_counters"] = router_delta(router_before, await self.topology.counters())
+        gate = await self._collect_gates(step, step_dir, t0)
         outcome = self._finish_step(
-            step, step_dir, t0, rc, (before, after), (proxy_before, proxy_after), resources
+            step, step_dir, t0, rc, (before, after), (proxy_before, proxy_after), resources, gate
         )
         outcome.report.kernel = kernel
         return outcome
+
+    async def _collect_gates(self, step: Step, step_dir: Path, t0: float) -> StepGates | None:
+        """The step's gate facts: silent fallback, replay, stranded KV, overdue, idle burst."""
+        if self.gates is None:
+            return None
+        from pdx.accept.gates import collect
+
+        idle_s = self.pb.conditions[step.network].idle_s
+        return await collect(self.gates, read_records(step_dir), t0, idle_s, step.index)
 
     async def _watch(self, step: Step, run: asyncio.Task[int], t0: float) -> list[dict[str, Any]]:
         samples: list[dict[str, Any]] = []
@@ -299,11 +366,15 @@ class AcceptRun:
         scrapes: tuple[Snapshot, Snapshot],
         proxy_counts: tuple[dict[str, Any] | None, dict[str, Any] | None],
         resources: list[dict[str, Any]],
+        gate: StepGates | None = None,
     ) -> StepOutcome:
         before, after = scrapes
         rows = read_records(step_dir)
         elapsed = _span_s(rows)
         summary = summarize(rows, elapsed)
+        if gate is not None:
+            summary.update(gate.facts)
+            summary["gates_not_measured"] = gate.not_measured
         mdelta = delta(before, after) if before.error is None and after.error is None else {}
         derive_rates(summary, mdelta)
         summary["locust_exit_code"] = locust_rc
@@ -311,7 +382,10 @@ class AcceptRun:
         summary["metrics_errors"] = [e for e in (before.error, after.error) if e]
         cond = self.pb.conditions[step.network]
         validity = judge.check_validity(step, summary, elapsed, self.pb.validity)
-        results = judge.judge_step(step, summary, step_criteria(self.pb, step))
+        values = {**samples(rows), **(gate.samples if gate else {})}
+        results = judge.judge_step(
+            step, summary, step_criteria(self.pb, step), values, self.pb.judgement.confidence
+        )
         bins = timeline(rows, t0)
         rec_s = None
         if cond.link_down_at_s is not None and cond.link_down_for_s is not None:
@@ -338,6 +412,7 @@ class AcceptRun:
             fault_events=list(self.link.events) if self.link and self._proxy_acts(step) else [],
             timeline=bins,
             recovery_s=rec_s,
+            kv_stranded_byte_s=summary.get("kv_stranded_byte_s"),
             resources=resources,
             raw={"records": f"raw/{step.id}/", "locust_csv": f"raw/{step.id}/locust_stats.csv"},
         )
@@ -355,15 +430,15 @@ class AcceptRun:
         criteria = [c for o in self.outcomes for c in o.criteria]
         validity = [o.validity for o in self.outcomes]
         valid = complete and bool(validity) and all(v.valid for v in validity)
-        passed = all(c.passed for c in criteria)
-        verdict: Literal["GO", "NO-GO"] = "GO" if valid and passed else "NO-GO"
-        failed = [c for c in criteria if not c.passed]
+        failed = [c for c in criteria if c.result == "fail"]
+        verdict = run_verdict(valid, criteria)
         step_data = [
             (o.step, {**o.report.summary, "elapsed_s": o.report.elapsed_s}) for o in self.outcomes
         ]
         recs = judge.recommendations(
             failed, [v for v in validity if not v.valid], step_data, self.pb.preflight.link_gbps
         )
+        recs += judge.undecided_steps(criteria, step_data)
         if not complete:
             recs.insert(0, "the run did not finish: rerun it to completion before signing off")
         steps = [o.report for o in self.outcomes]
@@ -379,7 +454,7 @@ class AcceptRun:
             verdict=verdict,
             valid=valid,
             complete=complete,
-            exit_code=0 if verdict == "GO" else 1,
+            exit_code=EXIT_CODES[verdict],
             started_at=self.started_at,
             finished_at=_now(),
             target=self.target_info,
@@ -388,6 +463,8 @@ class AcceptRun:
             recommendations=recs,
             steps=steps,
             formulas=FORMULAS,
+            metric_names=METRIC_NAMES,
+            confidence=self.pb.judgement.confidence,
             preflight=self.preflight,
             playbook=playbook_dict(self.pb),
             environment=_environment(),
@@ -398,12 +475,29 @@ class AcceptRun:
         return report
 
 
+EXIT_CODES = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
+
+
+def run_verdict(
+    valid: bool, criteria: list[judge.CriterionResult]
+) -> Literal["GO", "NO-GO", "INCONCLUSIVE"]:
+    """Any failed criterion or an invalid run → NO-GO; else any undecided one → INCONCLUSIVE."""
+    if not valid or any(c.result == "fail" for c in criteria):
+        return "NO-GO"
+    if any(c.result == "indeterminate" for c in criteria):
+        return "INCONCLUSIVE"
+    return "GO"
+
+
 def _span_s(rows: list[dict[str, Any]]) -> float:
     """First intended send to last stream end, in seconds."""
     if not rows:
         return 0.0
     start = min(r["t_intended_s"] for r in rows)
-    end = max(r["t_intended_s"] + (r.get("e2e_ms") or r.get("queue_ms") or 0.0) / 1e3 for r in rows)
+    end = max(
+        r["t_intended_s"] + (r.get("e2e_ms") or r.get("elapsed_ms") or r.get("queue_ms") or 0) / 1e3
+        for r in rows
+    )
     return max(0.0, end - start)
 
 

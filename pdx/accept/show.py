@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from pdx.accept.report import (
@@ -13,7 +14,17 @@ from pdx.accept.report import (
     _headline,
     criteria_rows,
     preflight_lines,
+    statistics_line,
 )
+
+
+def _mark(cell: str) -> str:
+    text = escape(cell)
+    if cell.startswith(("FAIL", "INVALID")):
+        return f"[bold red]{text}[/]"
+    if cell.startswith("UNDECIDED"):
+        return f"[bold yellow]{text}[/]"
+    return text
 
 
 def _table(title: str, headers: list[str], rows: list[list[str]]) -> Table:
@@ -21,7 +32,7 @@ def _table(title: str, headers: list[str], rows: list[list[str]]) -> Table:
     for h in headers:
         t.add_column(h)
     for row in rows:
-        t.add_row(*[f"[bold red]{c}[/]" if c.startswith(("FAIL", "INVALID")) else c for c in row])
+        t.add_row(*[_mark(c) for c in row])
     return t
 
 
@@ -37,6 +48,7 @@ _COMPACT = [
     "degraded",
     "retries",
     "req/s",
+    "KV held s",
 ]
 
 
@@ -61,6 +73,7 @@ def _compact_rows(report: Report, short: dict[str, str]) -> list[list[str]]:
                 str(sm.get("degraded", 0)),
                 str(sm.get("retries", 0)),
                 _num(sm.get("achieved_rps")),
+                _num(sm.get("kv_stranded_max_s")),
             ]
         )
     return rows
@@ -68,18 +81,22 @@ def _compact_rows(report: Report, short: dict[str, str]) -> list[list[str]]:
 
 def render_report(console: Console, report: Report) -> None:
     """Verdict first, then criteria, steps and what to change."""
-    colour = "green" if report.verdict == "GO" else "red"
+    colour = {"GO": "green", "INCONCLUSIVE": "yellow"}.get(report.verdict, "red")
     console.print(f"[bold {colour}]{_headline(report)}[/]  ({report.name})")
     for p in report.problems:
         console.print(f"problem: {p}")
     short = {st.id: st.id.split("-", 1)[0] for st in report.steps}
     crit = [[r[0], short.get(r[1], r[1]), *r[2:]] for r in criteria_rows(report)]
     console.print(_table("criteria", CRITERIA_HEADERS, crit))
+    console.print(statistics_line(report), markup=False, highlight=False)
     console.print(_table("steps (ms unless stated)", _COMPACT, _compact_rows(report, short)))
     for full, brief in short.items():
         console.print(f"{brief} = {full}")
+    for st in report.steps:
+        for why in st.summary.get("gates_not_measured") or []:
+            console.print(f"{short[st.id]}: not judged: {why}", markup=False, highlight=False)
     for r in report.recommendations:
-        console.print(f"- {r}")
+        console.print(f"- {r}", markup=False, highlight=False)
     if report.preflight:
         console.print("pre-flight:")
         for line in preflight_lines(report.preflight):

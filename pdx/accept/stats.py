@@ -36,6 +36,68 @@ FORMULAS: dict[str, str] = {
     "output_tok_s": "Σ output tokens of ok requests / step duration",
     "recovery_s": "link restored → start of the first 1 s window (by intended send time) with no "
     "failed or degraded request and TTFT p50 ≤ 1.5 × the median pre-fault 1 s TTFT p50",
+    "requests": "records of answered, failed and client-aborted requests (not those still "
+    "waiting when the load stopped: `unfinished`)",
+    "aborted": "requests the client cancelled after the first token (load.abort_fraction); "
+    "neither ok nor failed",
+    "interval": "[low, high] = one-sided lower and upper bounds at `confidence` (together a "
+    "two-sided 2c−1 interval); pass = the whole interval clears the threshold, fail = it lies "
+    "wholly beyond it, else indeterminate",
+    "quantile bounds": "order statistics: the u-th smallest of n values bounds the q-quantile "
+    "from above when P(Binomial(n, q) ≤ u−1) ≥ c (u smallest such); from below the l-th when "
+    "P(Binomial(n, q) ≥ l) ≥ c (l largest); a p99 needs n ≥ 299 for an upper bound at c = 0.95",
+    "rate bounds": "Clopper–Pearson: low = Beta⁻¹(1−c; k, n−k+1), high = Beta⁻¹(c; k+1, n−k); "
+    "retries per transfer: Garwood low = χ²⁻¹(1−c; 2k)/2n, high = χ²⁻¹(c; 2k+2)/2n",
+    "threshold 0": "none observed: judged on the count; the sample bounds the rate to "
+    "1 − (1−c)^(1/n) when the count is 0",
+    "requests_needed": "smallest sample that decides an indeterminate criterion if the observed "
+    "rate (or share of values under the threshold) stayed the same",
+    "silent_fallback_rate": "ok requests labelled disaggregated (more than one token) whose "
+    "decode read 0 KV bytes or prefilled the prompt itself (`pdx.kv_bytes`, "
+    "`pdx.timings_ms.local_prefill`, both decode's own figures) / those requests",
+    "output_mismatch_rate": "replayed greedy requests (shipped KV, prompt and tokens kept) whose "
+    "token ids on `pdx_route: local` differ / requests replayed",
+    "kv_stranded_max_s": "max over KV objects stored in the step of (deleted — or still held "
+    "when the step was judged — minus the end of its request: decode's record of the Generate "
+    "call, else the client's stream end, else the time it was stored); from the store's audit log",
+    "kv_stranded_byte_s": "Σ over the step's KV objects of bytes × seconds held after request end",
+    "overdue_rate": "requests whose client waited longer than judgement.request_deadline_s + "
+    "2 × RTT p99 (answered late or never) / requests judged (those cut off by the end of the "
+    "load before that limit are not judged)",
+    "idle_ttft_ratio": "idle-gap steps: TTFT p99 of the requests sent in the first "
+    "judgement.idle_burst_s after the gap (as observed) / TTFT p99 of those sent from "
+    "2 × idle_burst_s on (with order-statistic bounds)",
+}
+
+# The same latency quantity under the names other tools give it (their names collide).
+METRIC_NAMES: dict[str, dict[str, str]] = {
+    "ttft_ms": {
+        "vllm bench serve": "ttft",
+        "AIPerf": "time_to_first_token",
+        "guidellm": "time_to_first_token_ms",
+        "MLPerf": "TTFT (first token latency)",
+    },
+    "tpot_ms": {
+        "vllm bench serve": "tpot (excl. 1st token)",
+        "AIPerf": "inter_token_latency (AIPerf's ITL is this TPOT)",
+        "guidellm": "inter_token_latency_ms (its time_per_output_token_ms counts the first "
+        "token: (last token − request start) / output tokens)",
+        "MLPerf": "TPOT (time per output token)",
+    },
+    "itl_ms": {
+        "vllm bench serve": "itl (every gap between streamed chunks)",
+        "AIPerf": "inter_chunk_latency",
+        "guidellm": "— (its ITL is a per-request mean, pdx's TPOT)",
+        "MLPerf": "—",
+    },
+    "e2e_ms": {
+        "vllm bench serve": "e2el",
+        "AIPerf": "request_latency",
+        "guidellm": "request_latency",
+        "MLPerf": "latency (query latency)",
+    },
+    "queue_ms": {"vllm bench serve": "—", "AIPerf": "—", "guidellm": "—", "MLPerf": "—"},
+    "transfer_ms": {"vllm bench serve": "—", "AIPerf": "—", "guidellm": "—", "MLPerf": "—"},
 }
 
 
@@ -95,10 +157,28 @@ def _transfer_counts(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def summarize(rows: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
-    """Latency distributions, counts and rates of one step's records."""
+def samples(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    """The exact per-request values behind the quantile criteria (ok requests only)."""
     ok = [r for r in rows if r.get("ok")]
-    failed = [r for r in rows if not r.get("ok")]
+    xfer = [r["pdx"].get("transfer_ms") for r in rows if isinstance(r.get("pdx"), dict)]
+    return {
+        "ttft_ms": [r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None],
+        "tpot_ms": [r["tpot_ms"] for r in ok if r.get("tpot_ms") is not None],
+        "transfer_ms": [float(t) for t in xfer if t is not None and float(t) > 0],
+    }
+
+
+def summarize(rows: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
+    """Latency distributions, counts and rates of one step's records.
+
+    Requests still waiting when the load stopped (``unfinished``) are counted apart and are not
+    requests here; client aborts are neither ok nor failed.
+    """
+    unfinished = [r for r in rows if r.get("unfinished")]
+    rows = [r for r in rows if not r.get("unfinished")]
+    aborted = [r for r in rows if r.get("aborted")]
+    ok = [r for r in rows if r.get("ok")]
+    failed = [r for r in rows if not r.get("ok") and not r.get("aborted")]
     elapsed_s = max(elapsed_s, 1e-9)
     xfer = _transfer_counts(rows)
     e2e_sum_s = sum((r["e2e_ms"] or 0.0) for r in ok) / 1e3
@@ -107,6 +187,8 @@ def summarize(rows: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
         "requests": len(rows),
         "ok": len(ok),
         "failed": len(failed),
+        "aborted": len(aborted),
+        "unfinished": len(unfinished),
         "errors": dict(errors.most_common(10)),
         "error_rate": len(failed) / len(rows) if rows else None,
         "ttft_ms": distribution([r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None]),
@@ -180,4 +262,14 @@ def derive_rates(summary: dict[str, Any], metrics_delta: dict[str, float]) -> No
     evicted = sum(v for k, v in metrics_delta.items() if k.startswith("pdx_kv_evicted_total"))
     created = summary.get("kv_created", 0)
     has_counter = any(k.startswith("pdx_kv_evicted_total") for k in metrics_delta)
+    summary["kv_evicted"] = int(evicted) if has_counter else None
     summary["eviction_rate"] = evicted / created if created and has_counter else None
+    for rate, k, n in (
+        ("silent_fallback_rate", "silent_fallback", "labelled_disaggregated"),
+        ("output_mismatch_rate", "replay_mismatches", "replayed"),
+        ("overdue_rate", "overdue", "overdue_judged"),
+    ):
+        if summary.get(n):
+            summary[rate] = summary[k] / summary[n]
+        elif n in summary:
+            summary[rate] = None  # nothing to count: the gate is not judged on this step

@@ -20,14 +20,31 @@ def accept(
     ),
     as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
     no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar on stderr"),
+    repeat: int = typer.Option(
+        1, "--repeat", min=1, max=100, help="run the playbook N times; judge how the runs agree"
+    ),
 ) -> None:
-    """Run a playbook: deploy or target, load, inject faults, judge. Exit 0 GO, 1 NO-GO, 2 error."""
-    import asyncio
+    """Run a playbook: deploy or target, load, inject faults, judge.
 
+    Exit 0 GO, 1 NO-GO, 3 INCONCLUSIVE (the sample cannot decide a criterion), 2 could not run.
+    """
     from pdx.accept.playbook import load_playbook
-    from pdx.accept.run import AcceptRun
 
     pb = load_playbook(playbook, dotted=set_)
+    if repeat > 1:
+        _repeat(pb, playbook, out, repeat, as_json=as_json, no_progress=no_progress)
+    run = _run_once(pb, playbook, out, no_progress)
+    assert run.report is not None
+    emit(run.report, as_json=as_json, render=lambda c, r: _render_summary(c, r, run.report_dir))
+    raise typer.Exit(run.report.exit_code)
+
+
+def _run_once(pb: Any, playbook: Path, out: Path, no_progress: bool) -> Any:
+    """One AcceptRun to completion; Ctrl-C / SIGTERM exit 130 / 143 with a partial report."""
+    import asyncio
+
+    from pdx.accept.run import AcceptRun
+
     progress = None if no_progress else _Progress()
     run = AcceptRun(pb, playbook, out, progress.update if progress else None)
     try:
@@ -43,9 +60,34 @@ def accept(
     finally:
         if progress:
             progress.stop()
-    assert run.report is not None
-    emit(run.report, as_json=as_json, render=lambda c, r: _render_summary(c, r, run.report_dir))
-    raise typer.Exit(run.report.exit_code)
+    return run
+
+
+def _repeat(
+    pb: Any, playbook: Path, out: Path, times: int, *, as_json: bool, no_progress: bool
+) -> None:
+    """``--repeat N``: N full runs under one directory, then their agreement."""
+    from pdx.accept.repeat import render_repeat, summarize_runs, write_summary
+    from pdx.accept.run import report_dir_for
+
+    root = report_dir_for(out, f"{pb.name}-repeat")
+    reports, dirs = [], []
+    for i in range(times):
+        run = _run_once(pb, playbook, root, no_progress)
+        assert run.report is not None
+        reports.append(run.report)
+        dirs.append(run.report_dir)
+        if not as_json:
+            err_console().print(f"run {i + 1}/{times}: {run.report.verdict} ({run.report_dir})")
+    summary = summarize_runs(reports, dirs, pb.judgement.confidence)
+    path = write_summary(summary, root)
+
+    def render(console: Any, data: Any) -> None:
+        render_repeat(console, data)
+        console.print(f"summary: {path}")
+
+    emit(summary, as_json=as_json, render=render)
+    raise typer.Exit(summary.exit_code)
 
 
 class _Progress:

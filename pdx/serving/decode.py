@@ -290,9 +290,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             seq.out.get_nowait()  # sent right here, before the KV arrives
             yield serving_pb2.GenerateChunk(token_ids=[req.first_token])
         if seq.finish_reason and req.kv_id:  # max_tokens 1: prefill's token was all of it
-            seq.kv_released = True
-            with contextlib.suppress(KVError):
-                await self.kv.release(req.kv_endpoint, req.kv_id)
+            self._release_unused(seq)
         elif not seq.finish_reason:
             await self._obtain_kv(seq)
         seq.stats.queue_ms = (time.perf_counter() - arrived) * 1e3
@@ -371,7 +369,9 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         if seq.release_due:
             seq.release_due = False
             seq.kv_released = True
-            self._spawn(self._release(seq.request.kv_endpoint, seq.request.kv_id))
+            # Retried while the store cannot be reached: a Release lost to a link cut would
+            # leave the object held until its TTL.
+            self._spawn(self._release_until_done(seq.request.kv_endpoint, seq.request.kv_id))
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -402,7 +402,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
                 if exc.code in gone:
                     return
             await asyncio.sleep(delay)
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, 1.0)
 
     def _record(self, seq: Sequence) -> None:
         """Decode's own per-request record (kv.audit_dir): the KV it consumed, how it ended."""
@@ -425,10 +425,6 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             tokens=len(seq.tokens),
             kv_released=seq.kv_released,
         )
-
-    async def _release(self, endpoint: str, kv_id: str) -> None:
-        with contextlib.suppress(KVError):
-            await self.kv.release(endpoint, kv_id)
 
     async def _wait_for_memory(self, req: serving_pb2.GenerateRequest) -> None:
         """Hold the request (renewing its lease) while resident KV is over budget."""

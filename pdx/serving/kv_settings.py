@@ -27,6 +27,7 @@ def kv_store_config(cfg: DeployConfig, opts: NodeOptions) -> KVStoreConfig:
         kv_ttl_seconds=kv.kv_ttl_seconds,
         max_inflight_kv=kv.max_inflight_kv,
         tls=tls_for(opts.cert_dir, "kv-store"),
+        audit_path=kv.audit_dir / f"kv-store-prefill-{opts.index}.jsonl" if kv.audit_dir else None,
     )
 
 

@@ -12,6 +12,7 @@ caps arrivals; anything beyond is refused with RESOURCE_EXHAUSTED, never queued 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
@@ -129,6 +130,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         self._waiting = 0
         self._bucket = TokenBucket(cfg.rate_limit_qps)
         self._model = ThreadPoolExecutor(1, thread_name_prefix="prefill-model")
+        self._background: set[asyncio.Future[None]] = set()
         self._codec_pool = ThreadPoolExecutor(2, thread_name_prefix="prefill-codec")
 
     async def Prefill(
@@ -160,14 +162,36 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
                 encoding = self._encode(request, done)
                 try:
                     yield serving_pb2.PrefillEvent(first=done.first_event(self.backend))
-                    stored = await self._store(request, done, await encoding)
+                    put = asyncio.ensure_future(self._store(request, done, await encoding))
+                    try:  # shielded: a caller that leaves mid-Put must not orphan the object
+                        stored = await asyncio.shield(put)
+                    except asyncio.CancelledError:
+                        put.add_done_callback(self._release_unclaimed)
+                        raise
                 except KVError as exc:  # the first token is out; the caller decides what next
                     await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV store put: {exc}")
                 finally:
                     encoding.cancel()
-                yield serving_pb2.PrefillEvent(stored=stored)
+                try:
+                    yield serving_pb2.PrefillEvent(stored=stored)
+                except (asyncio.CancelledError, GeneratorExit):
+                    self._release_unclaimed(put)
+                    raise
         finally:
             self._waiting -= 1
+
+    def _release_unclaimed(self, put: asyncio.Future[serving_pb2.PrefillReply]) -> None:
+        """The caller left before it learnt the kv_id: nobody else can release the object.
+
+        Without this it stays in the store until its TTL (stranded KV). Sinks that can delete
+        offer ``release(kv_id)``.
+        """
+        release = getattr(self.sink, "release", None)
+        if release is None or put.cancelled() or put.exception() is not None:
+            return
+        task = asyncio.ensure_future(release(put.result().kv_id))
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
 
     async def _admit(
         self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
@@ -249,6 +273,11 @@ class StoreSink:
             encoded.payload, layout, model_version=model_version, ttl_s=ttl_s
         )
         return str(kv_id), len(encoded.payload)
+
+    async def release(self, kv_id: str) -> None:
+        """Delete an object no consumer will ever ask for (its request is gone)."""
+        with contextlib.suppress(KVError):
+            await self.client.release(kv_id)
 
 
 class PrefillNode:

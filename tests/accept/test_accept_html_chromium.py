@@ -35,22 +35,30 @@ def _chromium(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 @pytest.mark.slow
 @pytest.mark.skipif(CHROMIUM is None, reason="Debian package 'chromium' not installed")
-@pytest.mark.parametrize("threshold_ms,verdict,rgb", [(5000, "GO", (0xD8, 0xF5, 0xD0))])
+@pytest.mark.parametrize(
+    ("confidence", "verdict", "code", "rgb"),
+    [
+        (0, "GO", 0, (0xD8, 0xF5, 0xD0)),  # point estimates: the p99 of 2 s is taken as seen
+        (0.95, "INCONCLUSIVE", 3, (0xFD, 0xF0, 0xC4)),  # ... and cannot be bounded at 95 %
+    ],
+)
 def test_report_html_renders_with_visible_verdict(
-    sse_server, tmp_path: Path, threshold_ms: float, verdict: str, rgb: tuple[int, int, int]
-) -> None:
+    sse_server, tmp_path: Path, confidence: float, verdict: str, code: int,
+    rgb: tuple[int, int, int],
+) -> None:  # fmt: skip
     doc = {
         "name": "render",
         "target": {"url": sse_server.url},
         "matrix": {"input_tokens": [8], "output_tokens": [4], "concurrency": [2], "duration_s": 2},
-        "criteria": {"ttft_p99_ms": threshold_ms},
+        "criteria": {"ttft_p99_ms": 5000},
+        "judgement": {"confidence": confidence},
         "validity": {"min_requests": 5, "min_duration_s": 1, "min_load_fraction": 0.3},
     }
     pb = tmp_path / "pb.yaml"
     pb.write_text(yaml.safe_dump(doc))
     out = tmp_path / "reports"
     result = CliRunner().invoke(app, ["accept", str(pb), "--out", str(out), "--no-progress"])
-    assert result.exit_code == 0, result.output
+    assert result.exit_code == code, result.output
     html = next(out.glob("*/report.html")).resolve()
 
     dom = _chromium(tmp_path, "--dump-dom", html.as_uri())

@@ -35,6 +35,9 @@ def _playbook(tmp_path: Path, url: str, **matrix: Any) -> Path:
         },
         "criteria": {"ttft_p50_ms": 2000, "ttft_p99_ms": 5000, "tpot_p99_ms": 1000},
         "validity": {"min_requests": 10, "min_duration_s": 1.5, "min_load_fraction": 0.5},
+        # 3 s steps cannot bound a p99 (that needs 299 requests): judge point estimates here,
+        # labelled as such; the confidence machinery has its own tests and the smoke run.
+        "judgement": {"confidence": 0},
     }
     path = tmp_path / "pb.yaml"
     path.write_text(yaml.safe_dump(doc))
@@ -58,6 +61,7 @@ def test_go_then_no_go_with_override_then_diff(sse_server, tmp_path: Path) -> No
     go = runner.invoke(app, ["accept", str(pb), "--out", str(tmp_path / "a"), "--no-progress"])
     assert go.exit_code == 0, go.output
     assert go.stdout.startswith("GO — run VALID")
+    assert "on point estimates (no confidence)" in go.stdout.splitlines()[0]
     a_dir = _only_report(tmp_path / "a")
     data = json.loads((a_dir / "report.json").read_text())
     _validate(data)
@@ -66,6 +70,8 @@ def test_go_then_no_go_with_override_then_diff(sse_server, tmp_path: Path) -> No
     assert {"ttft_p50_ms", "ttft_p99_ms", "tpot_p99_ms", "error_rate_max"} <= names
     for c in data["criteria"]:
         assert set(c) >= {"name", "measured", "threshold", "margin", "passed", "step"}
+        assert c["confidence"] == 0 and c["result"] == "pass" and c["requests_needed"] is None
+        assert c["method"].startswith(("point estimate", "count", "no data")), c
     step = data["steps"][1]
     assert step["concurrency"] == 3 and step["summary"]["ok"] >= 10
     assert step["summary"]["usage_from_server"] == step["summary"]["ok"]
@@ -257,6 +263,7 @@ def test_open_loop_step_with_two_locust_workers(sse_server, tmp_path: Path) -> N
         "target": {"url": sse_server.url},
         "matrix": {"input_tokens": [8], "output_tokens": [4], "rate_rps": [20], "duration_s": 4},
         "load": {"workers": 2, "open_loop_users": 4},
+        "judgement": {"confidence": 0},
         "validity": {"min_requests": 20, "min_duration_s": 2, "min_load_fraction": 0.6},
     }
     pb = tmp_path / "open.yaml"
@@ -271,3 +278,31 @@ def test_open_loop_step_with_two_locust_workers(sse_server, tmp_path: Path) -> N
     assert 0.6 * 20 <= s["achieved_rps"] <= 1.5 * 20  # Poisson: achieved vs target, reported
     records = list((_only_report(tmp_path / "r") / "raw" / step["id"]).glob("requests-*.jsonl"))
     assert len(records) == 2  # one file per worker: both workers sent load
+
+
+@pytest.mark.slow
+def test_repeat_runs_the_playbook_n_times_and_compares(sse_server, tmp_path: Path) -> None:
+    pb = _playbook(tmp_path, sse_server.url, concurrency=[2], duration_s=2)
+    doc = yaml.safe_load(pb.read_text())
+    doc["judgement"] = {"confidence": 0.95}
+    doc["criteria"] = {"ttft_p50_ms": 2000, "error_rate_max": 0.0}
+    pb.write_text(yaml.safe_dump(doc))
+    result = CliRunner().invoke(
+        app, ["accept", str(pb), "--out", str(tmp_path / "r"), "--no-progress", "--json",
+              "--repeat", "2"],
+    )  # fmt: skip
+    data = json.loads(result.stdout)
+    assert data["runs"] == 2 and len(data["reports"]) == 2
+    assert (
+        result.exit_code
+        == data["exit_code"]
+        == {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}[data["verdict"]]
+    )
+    for d in data["reports"]:
+        _validate(json.loads((Path(d) / "report.json").read_text()))
+    (root,) = [d for d in (tmp_path / "r").iterdir() if d.is_dir()]
+    assert root.name.endswith("url-check-repeat") and (root / "repeat.json").is_file()
+    row = next(r for r in data["rows"] if r["criterion"] == "ttft_p50_ms")
+    assert len(row["measured"]) == 2 and row["mean"] == pytest.approx(sum(row["measured"]) / 2)
+    assert row["cv"] is not None and row["mean_interval"][0] <= row["mean"]
+    assert row["unstable"] == (row["step"] in data["unstable_steps"])

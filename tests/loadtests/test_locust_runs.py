@@ -56,7 +56,12 @@ def test_closed_loop_headless_csv(sse_server, tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     stats = _stats(tmp_path / "step")
     assert {"ttft", "tpot", "itl", "e2e"} <= set(stats)
-    recs = _records(tmp_path)
+    everything = _records(tmp_path)
+    # A request still waiting when the run time ends is recorded as unfinished (one per user at
+    # most), with how long it had waited: a hang must not vanish from the records.
+    cut = [r for r in everything if r["unfinished"]]
+    assert len(cut) <= 3 and all(not r["ok"] and r["elapsed_ms"] > 0 for r in cut)
+    recs = [r for r in everything if not r["unfinished"]]
     assert recs and all(r["ok"] for r in recs)
     # Every request the server answered is recorded, except those of users stopped by the
     # run-time limit between the server's last write and the client's record (at most one each).
@@ -68,6 +73,30 @@ def test_closed_loop_headless_csv(sse_server, tmp_path: Path) -> None:
         assert r["tpot_ms"] == pytest.approx((r["e2e_ms"] - r["ttft_ms"]) / 4)
         assert len(r["itl_ms"]) == 4
     assert {r["mode"] for r in recs} == {"closed"}
+
+
+def test_client_aborts_after_the_first_token_and_keeps_sample_prompts(
+    sse_server, tmp_path: Path
+) -> None:
+    sse_server.cfg.token_gap_s = 0.02  # the server is still streaming when the client leaves
+    out = _locust(
+        "--headless", "-u", "2", "-r", "2", "--run-time", "3s", "--host", sse_server.url,
+        "--pdx-records", str(tmp_path), "--pdx-output-len", "6", "--pdx-input-len", "4",
+        "--pdx-abort-fraction", "0.5", "--pdx-keep-prompts", "2",
+        "--pdx-extra-body", '{"return_token_ids": true}',
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    recs = [r for r in _records(tmp_path) if not r["unfinished"]]
+    aborted = [r for r in recs if r["aborted"]]
+    assert aborted and len(aborted) < len(recs)
+    for r in aborted:  # cut after the first token: a TTFT, neither ok nor failed
+        assert not r["ok"] and r["error"] is None and r["ttft_ms"] is not None
+        assert r["elapsed_ms"] >= r["ttft_ms"] and r["e2e_ms"] is None
+    assert sse_server.stats.aborted >= len(aborted) - 2  # the server saw them leave
+    # Prompts are kept for the first requests of each user, then a thinning sample.
+    kept = [r for r in recs if r["prompt_ids"]]
+    assert 4 <= len(kept) < len(recs) and all(len(r["prompt_ids"]) == 4 for r in kept)
+    assert all(r["response_id"] is None or isinstance(r["response_id"], str) for r in recs)
 
 
 def test_open_loop_poisson_from_intended_time(sse_server, tmp_path: Path) -> None:
@@ -96,7 +125,7 @@ def test_open_loop_poisson_from_intended_time(sse_server, tmp_path: Path) -> Non
         "4",
     )
     assert out.returncode == 0, out.stderr[-2000:]
-    recs = _records(tmp_path)
+    recs = [r for r in _records(tmp_path) if not r["unfinished"]]
     assert {r["mode"] for r in recs} == {"open"}
     starts = sorted(r["t_intended_s"] for r in recs)
     # Two users with one slot each serve at most ~2/0.06 s ≈ 33 req/s < 40 offered: the client

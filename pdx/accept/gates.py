@@ -1,0 +1,362 @@
+"""Gates for the failures other P/D stacks are known for, from the servers' own records.
+
+- silent fallback: requests labelled ``disaggregated`` whose decode did not use shipped KV —
+  decode's own per-request figures in the ``pdx`` object (``kv_bytes`` it read, the time it
+  spent prefilling the prompt itself), not the route label;
+- wrong output: a sample of greedy requests replayed on the local route, token ids compared;
+- stranded KV: how long each KV object stayed in the store after its request ended, from the
+  store's audit log (put, then release / expire / evict) and decode's per-request records;
+- overdue: requests still unanswered past their own deadline + 2 × RTT;
+- idle gap: the first burst after an idle period against the same step's steady TTFT.
+
+Everything here is pure (records in, numbers out) except :func:`replay`, which sends requests.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+# --- silent fallback ---------------------------------------------------------------------
+
+
+def decode_used_shipped_kv(pdx: dict[str, Any]) -> bool:
+    """Decode's own figures say it consumed shipped KV: bytes read and no prompt prefill."""
+    local_prefill_ms = float((pdx.get("timings_ms") or {}).get("local_prefill") or 0.0)
+    return int(pdx.get("kv_bytes") or 0) > 0 and local_prefill_ms == 0.0
+
+
+def silent_fallback(rows: list[dict[str, Any]]) -> dict[str, int] | None:
+    """Among ok requests labelled disaggregated (more than one token): how many did not use KV.
+
+    None when no record carries a ``pdx`` object (a target that does not report per request).
+    """
+    objs = [r for r in rows if r.get("ok") and isinstance(r.get("pdx"), dict)]
+    if not objs:
+        return None
+    labelled = [
+        r["pdx"]
+        for r in objs
+        if r["pdx"].get("route") == "disaggregated" and (r.get("output_tokens") or 0) > 1
+    ]
+    silent = sum(1 for p in labelled if not decode_used_shipped_kv(p))
+    return {"labelled_disaggregated": len(labelled), "silent_fallback": silent}
+
+
+# --- overdue -----------------------------------------------------------------------------
+
+
+def overdue(rows: list[dict[str, Any]], deadline_s: float, rtt_s: float) -> dict[str, Any]:
+    """Requests still waiting past ``deadline_s + 2 × rtt_s`` (answered late or never).
+
+    Requests cut off by the end of the load before their deadline are not counted either way.
+    """
+    limit_s = deadline_s + 2 * rtt_s
+    judged, late = 0, 0
+    for r in rows:
+        elapsed_s = float(r.get("elapsed_ms") or r.get("e2e_ms") or 0.0) / 1e3
+        if r.get("unfinished") and elapsed_s <= limit_s:
+            continue  # censored: it might still have been answered in time
+        judged += 1
+        late += elapsed_s > limit_s
+    return {"overdue": late, "overdue_judged": judged, "overdue_limit_s": limit_s}
+
+
+# --- stranded KV -------------------------------------------------------------------------
+
+
+def parse_ts(ts: str) -> float:
+    """An audit time stamp (``2026-11-29T09:15:48.123Z``) as Unix seconds."""
+    t = dt.datetime.strptime(ts, "%Y-%m-%dT%H:%M:%S.%fZ").replace(tzinfo=dt.UTC)
+    return t.timestamp()
+
+
+def read_jsonl(paths: list[Path]) -> list[dict[str, Any]]:
+    """Every JSON line of every file (files that do not exist yet are skipped)."""
+    out: list[dict[str, Any]] = []
+    for path in paths:
+        if path.is_file():
+            for line in path.read_text(errors="replace").splitlines():
+                if line.strip():
+                    try:
+                        out.append(json.loads(line))
+                    except ValueError:  # a line cut by a process killed mid-write
+                        continue
+    return out
+
+
+@dataclass
+class HeldObject:
+    """One KV object as the store's audit log and the request records show it."""
+
+    kv_id: str
+    bytes: int
+    stored_s: float  # the Put completed: readable from here
+    deleted_s: float | None = None
+    deleted_by: str = ""  # release | expire | evict | abandon
+    request_end_s: float | None = None
+    end_from: str = "created"  # decode | client | created (no request record names it)
+
+    def stranded_s(self, observed_s: float) -> float:
+        """Seconds held after its request ended (up to ``observed_s`` while still held)."""
+        end = self.request_end_s if self.request_end_s is not None else self.stored_s
+        return max(0.0, (self.deleted_s if self.deleted_s is not None else observed_s) - end)
+
+
+def held_objects(
+    audit: list[dict[str, Any]],
+    decode_records: list[dict[str, Any]],
+    rows: list[dict[str, Any]],
+) -> dict[str, HeldObject]:
+    """Objects put into the store, with when they were deleted and when their request ended.
+
+    A request's end is decode's record of it (the Generate call that read the kv_id ended:
+    finished, failed or cancelled), else the client's (its stream ended); an object no request
+    record names was never handed to decode, so its request was over when it was stored.
+    """
+    objs: dict[str, HeldObject] = {}
+    for rec in audit:
+        kv_id = rec.get("kv_id")
+        if not kv_id or "ts" not in rec:
+            continue
+        event = rec.get("event")
+        if event == "put" and rec.get("outcome") == "ok" and not rec.get("missing_chunks"):
+            objs.setdefault(
+                kv_id, HeldObject(kv_id, int(rec.get("bytes") or 0), parse_ts(rec["ts"]))
+            )
+        elif rec.get("outcome") == "deleted" and kv_id in objs and objs[kv_id].deleted_s is None:
+            objs[kv_id].deleted_s = parse_ts(rec["ts"])
+            objs[kv_id].deleted_by = str(event)
+    for r in rows:
+        kv_id = (r.get("pdx") or {}).get("kv_id")
+        if kv_id in objs:
+            end = float(r["t_intended_s"]) + float(r.get("elapsed_ms") or 0.0) / 1e3
+            objs[kv_id].request_end_s, objs[kv_id].end_from = end, "client"
+    for d in decode_records:
+        kv_id = d.get("kv_id")
+        if kv_id in objs and "ts" in d:
+            objs[kv_id].request_end_s, objs[kv_id].end_from = parse_ts(d["ts"]), "decode"
+    return objs
+
+
+def stranded(objs: list[HeldObject], bound_s: float, observed_s: float) -> dict[str, Any]:
+    """Per step: the longest hold after request end, bytes × seconds, objects over the bound."""
+    holds = [(o, o.stranded_s(observed_s)) for o in objs]
+    worst = max(holds, key=lambda h: h[1], default=None)
+    return {
+        "kv_objects": len(objs),
+        "kv_stranded_max_s": worst[1] if worst else 0.0,
+        "kv_stranded_byte_s": sum(o.bytes * s for o, s in holds),
+        "kv_stranded_over_bound": sum(1 for _, s in holds if s > bound_s),
+        "kv_stranded_still_held": sum(1 for o in objs if o.deleted_s is None),
+        "kv_stranded_bound_s": bound_s,
+        "kv_stranded_worst": (
+            {
+                "kv_id": worst[0].kv_id,
+                "bytes": worst[0].bytes,
+                "held_after_end_s": round(worst[1], 3),
+                "deleted_by": worst[0].deleted_by or "still held",
+                "request_end_from": worst[0].end_from,
+            }
+            if worst and worst[1] > 0
+            else None
+        ),
+    }
+
+
+# --- idle gap ----------------------------------------------------------------------------
+
+
+def idle_burst(rows: list[dict[str, Any]], t0_s: float, burst_s: float) -> dict[str, Any] | None:
+    """TTFTs of the burst (sent within ``burst_s`` of the step start) and of the steady rest.
+
+    The steady part starts one burst length after the burst, so the burst's tail is not in it.
+    """
+    ok = [r for r in rows if r.get("ok") and r.get("ttft_ms") is not None]
+    burst = [r["ttft_ms"] for r in ok if r["t_intended_s"] - t0_s < burst_s]
+    steady = [r["ttft_ms"] for r in ok if r["t_intended_s"] - t0_s >= 2 * burst_s]
+    if not burst or not steady:
+        return None
+    return {
+        "burst_requests": len(burst),
+        "burst_ttft_p99_ms": float(np.percentile(burst, 99)),
+        "steady_requests": len(steady),
+        "steady_ttft_p99_ms": float(np.percentile(steady, 99)),
+        "idle_ttft_ratio": float(np.percentile(burst, 99))
+        / max(float(np.percentile(steady, 99)), 1e-9),
+        "_steady_ttft_ms": steady,
+    }
+
+
+# --- replay ------------------------------------------------------------------------------
+
+
+def replay_candidates(
+    rows: list[dict[str, Any]], extra_body: dict[str, Any], count: int, seed: int
+) -> list[dict[str, Any]]:
+    """Up to ``count`` greedy requests that used shipped KV and kept their prompt and tokens."""
+    if float(extra_body.get("temperature", 0) or 0) != 0:
+        return []  # sampled requests cannot be compared token for token
+    pool = [
+        r
+        for r in rows
+        if r.get("ok")
+        and r.get("prompt_ids")
+        and r.get("output_ids")
+        and isinstance(r.get("pdx"), dict)
+        and r["pdx"].get("route") == "disaggregated"
+        and decode_used_shipped_kv(r["pdx"])
+    ]
+    random.Random(seed).shuffle(pool)
+    return pool[:count]
+
+
+async def replay(
+    url: str,
+    candidates: list[dict[str, Any]],
+    extra_body: dict[str, Any],
+    model: str,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Send each candidate again on the local route (decode prefills it); compare token ids."""
+    import aiohttp
+
+    mismatches: list[dict[str, Any]] = []
+    errors = 0
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        for r in candidates:
+            body = {
+                **extra_body,
+                "prompt": r["prompt_ids"],
+                "max_tokens": r["output_len_requested"],
+                "temperature": 0,
+                "stream": False,
+                "return_token_ids": True,
+                "pdx_route": "local",
+                **({"model": model} if model else {}),
+            }
+            try:
+                async with session.post(url + "/v1/completions", json=body) as resp:
+                    data = await resp.json(content_type=None) if resp.status == 200 else None
+            except (aiohttp.ClientError, TimeoutError, ValueError):
+                data = None
+            ids = ((data or {}).get("choices") or [{}])[0].get("token_ids")
+            if ids is None:
+                errors += 1
+                continue
+            if list(ids) != list(r["output_ids"]):
+                mismatches.append(_mismatch(r, list(ids)))
+    return {
+        "replayed": len(candidates) - errors,
+        "replay_mismatches": len(mismatches),
+        "replay_errors": errors,
+        "replay_mismatch_examples": mismatches[:3],
+    }
+
+
+def _mismatch(r: dict[str, Any], local: list[int]) -> dict[str, Any]:
+    shipped = list(r["output_ids"])
+    first = next((i for i, (a, b) in enumerate(zip(shipped, local, strict=False)) if a != b),
+                 min(len(shipped), len(local)))  # fmt: skip
+    return {
+        "kv_id": r["pdx"].get("kv_id"),
+        "first_difference_at_token": first,
+        "disaggregated": shipped[:16],
+        "local": local[:16],
+    }
+
+
+# --- one step ----------------------------------------------------------------------------
+
+
+@dataclass
+class GateContext:
+    """What the gates of every step need from the run (fixed once the target is up)."""
+
+    url: str
+    audit_dir: Path | None  # where the deploy's store audit and decode records are written
+    deadline_s: float  # each request's own deadline
+    rtt_s: float  # measured RTT p99 (0 when the link was not probed)
+    stranded_bound_s: float | None  # kv_stranded_max_s "auto"
+    extra_body: dict[str, Any]
+    model: str = ""
+    timeout_s: float = 120.0
+    replay_requests: int = 16
+    idle_burst_s: float = 1.0
+    seed: int = 0
+
+
+@dataclass
+class StepGates:
+    """A step's gate facts (merged into its summary), extra samples and what was not measured."""
+
+    facts: dict[str, Any]
+    samples: dict[str, list[float]]
+    not_measured: list[str]
+
+
+async def collect(
+    ctx: GateContext, rows: list[dict[str, Any]], t0_s: float, idle_s: float, step_index: int
+) -> StepGates:
+    """Every gate's facts for one step (replaying its sample on the local route)."""
+    import time
+
+    facts: dict[str, Any] = {}
+    missing: list[str] = []
+    fallback = silent_fallback(rows)
+    if fallback is None:
+        missing.append("silent_fallback_max: the target reports no per-request pdx object")
+    else:
+        facts.update(fallback)
+        if not fallback["labelled_disaggregated"]:
+            missing.append("silent_fallback_max: no request was labelled disaggregated")
+    facts.update(overdue(rows, ctx.deadline_s, ctx.rtt_s))
+    facts["deadline_s"] = ctx.deadline_s
+    await _replay_facts(ctx, rows, step_index, facts, missing)
+    samples: dict[str, list[float]] = {}
+    if idle_s > 0:
+        burst = idle_burst(rows, t0_s, ctx.idle_burst_s)
+        if burst is None:
+            missing.append("idle_ttft_ratio_max: no ok request in the burst or after it")
+        else:
+            samples["steady_ttft_ms"] = burst.pop("_steady_ttft_ms")
+            facts.update(burst, idle_s=idle_s)
+    if ctx.audit_dir is None or ctx.stranded_bound_s is None:
+        missing.append("kv_stranded_max_s: no KV store audit log (target.url)")
+    else:
+        audit = read_jsonl(sorted(ctx.audit_dir.glob("kv-store-*.jsonl")))
+        records = read_jsonl(sorted(ctx.audit_dir.glob("decode-*-requests.jsonl")))
+        now = time.time()
+        objs = [o for o in held_objects(audit, records, rows).values() if o.stored_s >= t0_s]
+        facts.update(stranded(objs, ctx.stranded_bound_s, now))
+    return StepGates(facts, samples, missing)
+
+
+async def _replay_facts(
+    ctx: GateContext,
+    rows: list[dict[str, Any]],
+    step_index: int,
+    facts: dict[str, Any],
+    missing: list[str],
+) -> None:
+    if ctx.replay_requests <= 0:
+        return
+    picked = replay_candidates(rows, ctx.extra_body, ctx.replay_requests, ctx.seed + step_index)
+    if not picked:
+        missing.append(
+            "output_mismatch_max: no greedy request that used shipped KV kept its prompt and "
+            "token ids (needs return_token_ids and a pdx gateway)"
+        )
+        return
+    result = await replay(ctx.url, picked, ctx.extra_body, ctx.model, ctx.timeout_s)
+    facts.update(result)
+    if not result["replayed"]:
+        facts.pop("replayed")  # nothing compared: the gate is not judged
+        missing.append(f"output_mismatch_max: all {result['replay_errors']} replays failed")
