@@ -290,6 +290,48 @@ def _gateway_counts(mdelta: dict[str, float]) -> str:
     return "; ".join(parts)
 
 
+def gate_lines(report: Report) -> list[str]:
+    """Per step, the facts behind each gate (and the gates that could not be measured)."""
+    lines = []
+    for s in report.steps:
+        sm, parts = s.summary, []
+        if sm.get("labelled_disaggregated") is not None:
+            parts.append(
+                f"silent fallback {sm.get('silent_fallback', 0)} of "
+                f"{sm['labelled_disaggregated']} requests labelled disaggregated"
+            )
+        if sm.get("replayed") is not None:
+            parts.append(
+                f"replay on the local route: {sm.get('replay_mismatches', 0)} of "
+                f"{sm['replayed']} greedy requests gave other tokens"
+            )
+        if sm.get("kv_objects") is not None:
+            worst = sm.get("kv_stranded_worst") or {}
+            parts.append(
+                f"KV held after request end: max {sm.get('kv_stranded_max_s', 0):.3f} s over "
+                f"{sm['kv_objects']} objects ({sm.get('kv_stranded_byte_s', 0):.4g} byte·s; "
+                f"{sm.get('kv_stranded_still_held', 0)} still held"
+                + (f"; worst {worst.get('deleted_by')}" if worst else "")
+                + ")"
+            )
+        if sm.get("overdue_judged") is not None:
+            parts.append(
+                f"overdue {sm.get('overdue', 0)} of {sm['overdue_judged']} requests "
+                f"(limit {sm.get('overdue_limit_s', 0):.3g} s), {sm.get('unfinished', 0)} "
+                "still waiting when the load stopped"
+            )
+        if sm.get("idle_ttft_ratio") is not None:
+            parts.append(
+                f"after {sm.get('idle_s', 0):g} s idle: burst TTFT p99 "
+                f"{sm['burst_ttft_p99_ms']:.4g} ms ({sm['burst_requests']} requests) vs steady "
+                f"{sm['steady_ttft_p99_ms']:.4g} ms ({sm['steady_requests']})"
+            )
+        parts += [f"not judged: {why}" for why in sm.get("gates_not_measured") or []]
+        if parts:
+            lines.append(f"- **{s.id}**: " + "; ".join(parts))
+    return lines
+
+
 def _fault_lines(report: Report) -> list[str]:
     lines = []
     for s in report.steps:
@@ -371,6 +413,9 @@ def render_markdown(report: Report) -> str:
         )
     )
     parts.append("## Steps\n" + _md_table(STEP_HEADERS, step_rows(report)))
+    gates = gate_lines(report)
+    if gates:
+        parts.append("## Gates: what the servers' own records show\n" + "\n".join(gates))
     faults = _fault_lines(report)
     if faults:
         parts.append("## Faults and how the service reacted\n" + "\n".join(faults))
@@ -497,6 +542,10 @@ def render_html(report: Report, images: dict[str, str]) -> str:
         "<h2>Validity</h2>" + (f"<ul>{items}</ul>" if items else "<p>All steps valid.</p>")
     )
     parts.append("<h2>Steps</h2>" + _html_table(STEP_HEADERS, step_rows(report)))
+    gates = gate_lines(report)
+    if gates:
+        items = "".join(f"<li>{esc(g.lstrip('- ').replace('**', ''))}</li>" for g in gates)
+        parts.append(f"<h2>Gates: what the servers' own records show</h2><ul>{items}</ul>")
     faults = _fault_lines(report)
     if faults:
         items = "".join(f"<li>{esc(f.lstrip('- ').replace('**', ''))}</li>" for f in faults)

@@ -208,6 +208,7 @@ def test_lossy_codec_and_quiet_recompute_fail_their_gates(tmp_path: Path) -> Non
         tmp_path,
         "gates-output",
         ["kv.codec=int4", "decode.kv_load_failure_policy=recompute", "kv.store_budget_bytes=6000"],
+        conditions={"normal": {"idle_s": 2}},  # and a first burst after 2 s of idle
     )
     data = _accept(pb, tmp_path / "out")
     assert data["verdict"] == "NO-GO" and data["exit_code"] == 1
@@ -225,6 +226,15 @@ def test_lossy_codec_and_quiet_recompute_fail_their_gates(tmp_path: Path) -> Non
     decode = [json.loads(x) for x in (audit_dir / "decode-0-requests.jsonl").read_text().split()]
     quiet = [d for d in decode if d.get("route") == "disaggregated" and d["local_prefill"]]
     assert quiet and all(d["prompt_tokens_from_kv"] == 0 and not d["degraded"] for d in quiet)
+    # The idle-gap burst is judged against the same step's steady TTFT p99.
+    idle = _criterion(data, "idle_ttft_ratio_max", "s00")
+    assert summary["burst_requests"] > 0 and summary["steady_requests"] > 0
+    assert idle["measured"] == pytest.approx(
+        summary["burst_ttft_p99_ms"] / summary["steady_ttft_p99_ms"]
+    )
+    assert idle["interval"][1] is not None and idle["method"].startswith("burst p99")
+    md = next((tmp_path / "out").glob("*/report.md")).read_text()
+    assert "## Gates: what the servers' own records show" in md and "after 2 s idle" in md
 
 
 @pytest.mark.slow
