@@ -11,6 +11,14 @@ other load, CPU per GB much less, and it shows where the gap is.
 
     python benchmarks/bench_transfer.py [--bytes 256MB] [--rounds 3] [--transport data grpc]
                                         [--streams 1] [--chunk-kb 256 1024 ...] [--json]
+    python benchmarks/bench_transfer.py --wan [--rounds 3] [--bytes 256MB] [--json]   (root)
+
+``--wan`` measures across the emulated WAN of ``pdx faults netns`` instead (a store in the
+prefill site, ``kv-bench --target`` in the decode site, iperf3 on the same path in the same
+round, medians of the rounds): at 10 and 50 ms RTT with a 1 Gbit/s cap, one stream against
+one iperf3 stream (goal >= 0.9x) and 4 streams against ``iperf3 -P 4`` (goal >= 0.8x); Get
+is compared with iperf3 prefill → decode (the way KV travels), Put with decode → prefill.
+With 0.1 % loss, one pdx stream (BBR, its default) against one CUBIC iperf3 stream.
 """
 
 from __future__ import annotations
@@ -100,6 +108,9 @@ def iperf3_gbytes_per_s(iperf3: str, seconds: int = 2) -> float:
 
 def main() -> None:
     """Run the matrix and print one row per (chunk size, TLS) plus the goal check."""
+    if "--wan" in sys.argv:
+        wan_main()
+        return
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bytes", default="256MB")
     ap.add_argument("--rounds", type=int, default=3)
@@ -216,6 +227,150 @@ def _summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
             f"-> {verdict} the {GOALS[tls]:.2f}x goal"
         )
     return {"best": best, "lines": lines}
+
+
+# --- across the emulated WAN (root) -----------------------------------------------------
+
+WAN_CAP_MBIT = 1000.0
+WAN_GOALS = {1: 0.9, 4: 0.8}
+
+
+def _iperf3_ns(topo: Any, reverse: bool, streams: int, seconds: int, cc: str | None) -> float:
+    """iperf3 decode site → prefill site (``reverse``: prefill → decode), GB/s at the receiver."""
+    import os
+
+    port = 5301 + os.getpid() % 200
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", topo.prefill, "iperf3", "-s", "-1", "-B", STORE, "-p", str(port)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )  # fmt: skip
+    try:
+        cmd = ["ip", "netns", "exec", topo.decode, "iperf3", "-c", STORE, "-p", str(port), "-t",
+               str(seconds), "-O", "1", "-P", str(streams), "-J", *(["-R"] if reverse else []),
+               *(["-C", cc] if cc else [])]  # fmt: skip
+        for _ in range(50):
+            out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 60)
+            doc = json.loads(out.stdout or "{}")
+            if "refused" in str(doc.get("error", "")):
+                time.sleep(0.1)
+                continue
+            if "error" in doc:
+                raise RuntimeError(f"iperf3: {doc['error']}")
+            return float(doc["end"]["sum_received"]["bits_per_second"]) / 8e9
+        raise RuntimeError("iperf3 server never came up")
+    finally:
+        server.kill()
+        server.wait()
+
+
+STORE = "10.77.1.1"
+
+
+def _kv_bench_ns(topo: Any, port: int, total: int, streams: int, cc: str) -> dict[str, Any]:
+    pdx = str(__import__("pathlib").Path(sys.executable).with_name("pdx"))
+    out = subprocess.run(
+        ["ip", "netns", "exec", topo.decode, pdx, "kv-bench", "--target", f"{STORE}:{port}",
+         "--bytes", str(total), "--streams", str(streams), "--connections", str(streams),
+         "--repeat", "1", "--congestion-control", cc, "--json"],
+        capture_output=True, text=True, timeout=600, check=True,
+    )  # fmt: skip
+    data: dict[str, Any] = json.loads(out.stdout)
+    return data
+
+
+def _wan_case(topo: Any, port: int, total: int, rounds: int, streams: int,
+              cc: str = "bbr", iperf_cc: str | None = None) -> dict[str, Any]:  # fmt: skip
+    rows = []
+    for _ in range(rounds):
+        up = _iperf3_ns(topo, False, streams, 5, iperf_cc)
+        down = _iperf3_ns(topo, True, streams, 5, iperf_cc)
+        kv = _kv_bench_ns(topo, port, total, streams, cc)
+        rows.append((up, down, kv["put_gbytes_per_s"], kv["get_gbytes_per_s"], kv))
+    med = statistics.median
+    return {
+        "streams": streams,
+        "iperf3_up_gbytes_per_s": round(med(r[0] for r in rows), 4),
+        "iperf3_down_gbytes_per_s": round(med(r[1] for r in rows), 4),
+        "put_gbytes_per_s": round(med(r[2] for r in rows), 4),
+        "get_gbytes_per_s": round(med(r[3] for r in rows), 4),
+        "put_ratio": round(med(r[2] / r[0] for r in rows), 3),
+        "get_ratio": round(med(r[3] / r[1] for r in rows), 3),
+        "rtt_ms": rows[-1][4]["rtt_ms"],
+        "congestion_control": rows[-1][4]["congestion_control"],
+        "iperf3_congestion_control": iperf_cc or "system",
+    }
+
+
+def _conditions(prefix: str, **kw: Any) -> Any:
+    from pdx.faults import netns
+
+    return netns.make_config(prefix=prefix, emulator="userspace", rate_mbit=WAN_CAP_MBIT, seed=5,
+                             **kw)  # fmt: skip
+
+
+def wan_main() -> None:
+    """Across ``pdx faults netns``: pdx next to iperf3 on the same path, in the same run."""
+    import os
+
+    from pdx.faults import netns
+
+    ap = argparse.ArgumentParser(description="KV transfer across an emulated WAN vs iperf3")
+    ap.add_argument("--wan", action="store_true")
+    ap.add_argument("--bytes", default="256MB")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    if os.geteuid() != 0 or not ensure_iperf3():
+        print("bench_transfer --wan: needs root and iperf3; skipped")
+        return
+    total = parse_size(args.bytes, "--bytes")
+    prefix = f"pdxt{os.getpid() % 10000}"
+    topo = netns.make_config(prefix=prefix, emulator="userspace", rate_mbit=WAN_CAP_MBIT, seed=5)
+    netns.up(topo)
+    pdx = str(__import__("pathlib").Path(sys.executable).with_name("pdx"))
+    store = subprocess.Popen(
+        ["ip", "netns", "exec", topo.prefill, pdx, "kv-serve", "--host", STORE, "--port", "0",
+         "--budget-gb", "8", "--json"], stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    results: dict[str, Any] = {"cap_mbit": WAN_CAP_MBIT, "bytes": total, "rows": []}
+    try:
+        assert store.stdout is not None
+        text = ""
+        for line in store.stdout:
+            text += line
+            if line.startswith("}"):
+                break
+        port = int(json.loads(text)["port"])
+        for rtt in (10, 50):
+            netns.up(_conditions(prefix, delay_ms=rtt / 2))
+            for streams in (1, 4):
+                row = _wan_case(topo, port, total, args.rounds, streams)
+                results["rows"].append({"rtt_ms_target": rtt, "loss": 0.0, **row})
+                if not args.json:
+                    _print_wan(results["rows"][-1])
+        netns.up(_conditions(prefix, delay_ms=25, loss=0.001))
+        row = _wan_case(topo, port, total, args.rounds, 1, cc="bbr", iperf_cc="cubic")
+        results["rows"].append({"rtt_ms_target": 50, "loss": 0.001, **row})
+        if not args.json:
+            _print_wan(results["rows"][-1])
+    finally:
+        store.terminate()
+        store.wait(timeout=10)
+        netns.down(topo)
+    if args.json:
+        print(json.dumps(results, indent=2))
+
+
+def _print_wan(r: dict[str, Any]) -> None:
+    goal = "beats CUBIC" if r["loss"] else f"goal {WAN_GOALS[r['streams']]}x"
+    print(
+        f"RTT {r['rtt_ms_target']:>3} ms loss {r['loss'] * 100:g} % {r['streams']} stream(s) "
+        f"[pdx {r['congestion_control']}, iperf3 {r['iperf3_congestion_control']}]: "
+        f"put {r['put_gbytes_per_s'] * 8:.3f} Gbit/s ({r['put_ratio']:.2f}x iperf3 "
+        f"{r['iperf3_up_gbytes_per_s'] * 8:.3f}), get {r['get_gbytes_per_s'] * 8:.3f} Gbit/s "
+        f"({r['get_ratio']:.2f}x iperf3 {r['iperf3_down_gbytes_per_s'] * 8:.3f}); {goal}"
+    )
+    sys.stdout.flush()
 
 
 if __name__ == "__main__":

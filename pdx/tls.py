@@ -124,9 +124,19 @@ def _make_ca(days: int) -> tuple[ec.EllipticCurvePrivateKey, Certificate]:
     return key, cert
 
 
+def _san_entry(host: str) -> Any:
+    from cryptography import x509
+
+    try:
+        return x509.IPAddress(ipaddress.ip_address(host))
+    except ValueError:
+        return x509.DNSName(host)
+
+
 def _make_leaf(
-    name: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: Certificate, days: int
-) -> tuple[ec.EllipticCurvePrivateKey, Certificate]:
+    name: str, ca_key: ec.EllipticCurvePrivateKey, ca_cert: Certificate, days: int,
+    hosts: tuple[str, ...] = (),
+) -> tuple[ec.EllipticCurvePrivateKey, Certificate]:  # fmt: skip
     from cryptography import x509
     from cryptography.hazmat.primitives import hashes
     from cryptography.x509.oid import ExtendedKeyUsageOID
@@ -139,6 +149,7 @@ def _make_leaf(
             x509.DNSName(name),
             x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
             x509.IPAddress(ipaddress.ip_address("::1")),
+            *(_san_entry(h) for h in hosts),
         ]
     )
     eku = x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH, ExtendedKeyUsageOID.CLIENT_AUTH])
@@ -159,9 +170,17 @@ def _make_leaf(
 
 
 def init_certs(
-    cert_dir: Path | str, names: tuple[str, ...] | list[str] = DEFAULT_NAMES, *, days: int = 30
+    cert_dir: Path | str,
+    names: tuple[str, ...] | list[str] = DEFAULT_NAMES,
+    *,
+    days: int = 30,
+    hosts: tuple[str, ...] | list[str] = (),
 ) -> list[Path]:
-    """Create a CA and one identity per name in ``cert_dir``; return the files written."""
+    """Create a CA and one identity per name in ``cert_dir``; return the files written.
+
+    Every certificate is valid for localhost, 127.0.0.1, ::1, its own name and ``hosts``
+    (addresses or DNS names other sites dial, e.g. a store's address in another namespace).
+    """
     d = Path(cert_dir)
     if d.exists() and (d / f"{CA_NAME}.pem").exists():
         raise InputError(
@@ -176,7 +195,7 @@ def init_certs(
     _write_cert(written[0], ca_cert)
     _write_key(written[1], ca_key)
     for n in names:
-        key, cert = _make_leaf(n, ca_key, ca_cert, days)
+        key, cert = _make_leaf(n, ca_key, ca_cert, days, tuple(hosts))
         _write_cert(d / f"{n}.pem", cert)
         _write_key(d / f"{n}.key", key)
         written += [d / f"{n}.pem", d / f"{n}.key"]

@@ -201,24 +201,30 @@ class DataPlaneRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DataPlaneResponse(_message.Message):
-    __slots__ = ("enabled", "port", "tls", "max_frame_bytes")
+    __slots__ = ("enabled", "port", "tls", "max_frame_bytes", "congestion_controls")
     ENABLED_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     TLS_FIELD_NUMBER: _ClassVar[int]
     MAX_FRAME_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CONGESTION_CONTROLS_FIELD_NUMBER: _ClassVar[int]
     enabled: bool
     port: int
     tls: bool
     max_frame_bytes: int
-    def __init__(self, enabled: _Optional[bool] = ..., port: _Optional[int] = ..., tls: _Optional[bool] = ..., max_frame_bytes: _Optional[int] = ...) -> None: ...
+    congestion_controls: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, enabled: _Optional[bool] = ..., port: _Optional[int] = ..., tls: _Optional[bool] = ..., max_frame_bytes: _Optional[int] = ..., congestion_controls: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class DataHello(_message.Message):
-    __slots__ = ("version", "client_id")
+    __slots__ = ("version", "client_id", "congestion_control", "send_buffer_bytes")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     CLIENT_ID_FIELD_NUMBER: _ClassVar[int]
+    CONGESTION_CONTROL_FIELD_NUMBER: _ClassVar[int]
+    SEND_BUFFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     version: str
     client_id: str
-    def __init__(self, version: _Optional[str] = ..., client_id: _Optional[str] = ...) -> None: ...
+    congestion_control: str
+    send_buffer_bytes: int
+    def __init__(self, version: _Optional[str] = ..., client_id: _Optional[str] = ..., congestion_control: _Optional[str] = ..., send_buffer_bytes: _Optional[int] = ...) -> None: ...
 
 class DataRequest(_message.Message):
     __slots__ = ("timeout_ms", "put", "get")

@@ -182,6 +182,19 @@ class AcceptRun:
         configured = deploy_config(pb, self.playbook_dir).kv
         return Path(configured.audit_dir) if configured.audit_dir else None
 
+    def _transfer_deadline_s(self, fixed_ms: float | None, probe: dict[str, Any]) -> float:
+        """The deploy's transfer deadline: fixed, or derived as its KV clients derive it for
+        the largest request's KV at the probed RTT and goodput (pdx.transfer.path)."""
+        if fixed_ms is not None:
+            return fixed_ms / 1e3
+        from pdx.accept.preflight import kv_bytes_per_request
+        from pdx.transfer.path import ASSUMED_GOODPUT_BPS, derived_deadline_ms
+
+        kv = kv_bytes_per_request((self.preflight or {}).get("_kv"))
+        goodput = float(probe.get("down_gbps") or 0.0) * 1e9 or ASSUMED_GOODPUT_BPS
+        rtt_ms = float(probe.get("rtt_p99_ms") or 0.0)
+        return derived_deadline_ms(kv[1] if kv else 0, rtt_ms, goodput, cold=False) / 1e3
+
     def _gate_context(self) -> GateContext:
         """Deadlines and bounds of the gates, from the deploy config and the probed RTT."""
         pb = self.pb
@@ -193,7 +206,7 @@ class AcceptRun:
 
             cfg = deploy_config(pb, self.playbook_dir)
             deadline = deadline or cfg.gateway.request_timeout_s
-            bound = cfg.kv.kv_transfer_timeout_ms / 1e3 + 2 * rtt_s
+            bound = self._transfer_deadline_s(cfg.kv.kv_transfer_timeout_ms, summary) + 2 * rtt_s
         return GateContext(
             url=self.url,
             audit_dir=self._audit_dir(),

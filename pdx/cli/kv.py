@@ -104,9 +104,20 @@ def kv_bench(
         "auto", "--transport", help="auto | data | grpc: how Put/Get bytes travel."
     ),
     repeat: int = typer.Option(3, "--repeat", help="Runs; the median is reported."),
+    target: str | None = typer.Option(
+        None, "--target", help="HOST:PORT of a running store (default: start one on loopback)."
+    ),
+    tls_dir: Path | None = typer.Option(
+        None, "--tls-dir", help="With --target: directory from `pdx certs init` (mutual TLS)."
+    ),
+    tls_name: str = typer.Option("decode", "--tls-name", help="Client identity in --tls-dir."),
+    congestion_control: str = typer.Option(
+        "bbr", "--congestion-control", help="bbr | cubic | system: TCP algorithm of the data plane."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
-    """Put N bytes into a store on loopback and Get them back; print goodput (GB = 1e9 B)."""
+    """Put N bytes into a store and Get them back; print goodput (GB = 1e9 B). Starts a store
+    on loopback, or talks to a running one with --target."""
     from pdx.cli.output import emit
     from pdx.transfer.bench import parse_size, render_bench, run_bench
 
@@ -119,6 +130,10 @@ def kv_bench(
         connections=connections,
         transport=transport,
         repeat=repeat,
+        target=target,
+        tls_dir=tls_dir,
+        tls_name=tls_name,
+        congestion_control=congestion_control,
     )
     emit(result, as_json=as_json, render=render_bench)
 
@@ -129,13 +144,18 @@ def certs_init(
         ["kv-store", "prefill", "decode"], "--name", help="Service identity to issue (repeatable)."
     ),
     days: int = typer.Option(30, "--days", min=1, max=3650, help="Validity in days."),
+    hosts: list[str] = typer.Option(
+        [],
+        "--host",
+        help="Another address or DNS name the certificates are valid for (repeatable).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON."),
 ) -> None:
     """Create a private CA and one certificate + key per service (for local and test use)."""
     from pdx.cli.output import emit
     from pdx.tls import init_certs
 
-    files = init_certs(directory, names, days=days)
+    files = init_certs(directory, names, days=days, hosts=hosts)
     data = {"dir": str(directory), "files": [p.name for p in files]}
     emit(data, as_json=as_json, render=_render_certs)
 

@@ -266,6 +266,10 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
         console.print(table)
     for note in _tcp_notes(report.get("tcp")):
         console.print(note, soft_wrap=True)
+    rec = report.get("recommendations")
+    if rec:
+        sets = " ".join(f"--set {k}={v}" for k, v in rec["set"].items())
+        console.print(f"recommended for pdx deploy ({rec['why']}): {sets}", soft_wrap=True)
     if report["chunks"]:
         console.print(_chunk_table(report))
     console.print(_verdict_table(report["verdict"]))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -83,6 +84,7 @@ def _run_phases(
     if "chunks" in opts.phases:
         _chunk_phase(session, opts, report, progress)
     report["tcp"] = tcp_summary(session, report)
+    report["recommendations"] = recommend(report)
 
 
 def _empty_report(opts: ProbeOptions) -> dict[str, Any]:
@@ -112,6 +114,7 @@ def _empty_report(opts: ProbeOptions) -> dict[str, Any]:
         "chunk_recommended_bytes": None,
         "kv_demand": {"gbps": opts.rules.kv_gbps, "source": opts.kv_source},
         "tcp": None,
+        "recommendations": None,
         "verdict": None,
     }
 
@@ -376,3 +379,28 @@ def _inferred_limit(
     if rmem and window >= 0.4 * rmem:
         return "receive window"
     return None
+
+
+def recommend(report: dict[str, Any]) -> dict[str, Any] | None:
+    """Deploy settings for the measured link, as ``pdx deploy --set`` takes them: stripes
+    enough to fill it when one stream is window-capped, the chunk size the sweep chose, the
+    link rate (socket buffers are then sized to its BDP), and the sysctls that cap a stream."""
+    tp, tcp = report.get("throughput"), report.get("tcp") or {}
+    if not tp:
+        return None
+    best = max(tp["up_gbps"], tp["down_gbps"])
+    single = tcp.get("single_stream") or {}
+    one = min((s["gbps"] for s in single.values() if s["capped_by_buffers"]), default=None)
+    streams = 1 if not one else max(1, min(16, math.ceil(best / one - 0.05)))
+    sets: dict[str, Any] = {"kv.streams": streams, "kv.link_gbps": round(best, 3)}
+    chunk = report.get("chunk_recommended_bytes")
+    if chunk:
+        sets["kv.chunk_size_kb"] = max(64, min(8192, int(chunk) // 1024))
+    sysctls = {}
+    for s in single.values():
+        cap = s.get("cap")
+        if cap:
+            sysctls[f"{cap['end']} {cap['sysctl']}"] = f"4096 131072 {cap['would_not_cap_bytes']}"
+    why = (f"one stream reaches {one:.3f} of {best:.3f} Gbit/s (its window is capped)"
+           if one else "one stream fills the link")  # fmt: skip
+    return {"set": sets, "sysctl": sysctls, "why": why}

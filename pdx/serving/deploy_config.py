@@ -36,7 +36,20 @@ class KVConfig(BaseModel):
     model_config = _Strict
     codec: str = "raw"
     chunk_size_kb: int = Field(1024, ge=64, le=8192)
-    kv_transfer_timeout_ms: float = Field(300.0, gt=0)
+    kv_transfer_timeout_ms: float | None = Field(
+        None,
+        gt=0,
+        description="deadline of one transfer, all attempts together; null = derived from the "
+        "object's size and the path's measured RTT and goodput (see docs/kv-transfer.md)",
+    )
+    streams: int = Field(1, ge=1, le=16, description="stripes per object, each on its own socket")
+    connections: int = Field(1, ge=1, le=16, description="gRPC channels per store")
+    congestion_control: Literal["bbr", "cubic", "system"] = Field(
+        "bbr", description="TCP algorithm of the data plane (bbr where the kernel has it)"
+    )
+    link_gbps: float | None = Field(
+        None, gt=0, le=1000, description="the link's rate: sizes socket buffers to its BDP"
+    )
     kv_retry_budget: int = Field(2, ge=0, le=10)
     kv_ttl_seconds: int = Field(120, ge=60, le=300)
     max_inflight_kv: int = Field(32, ge=1)
@@ -263,7 +276,7 @@ decode:
 kv:
   codec: raw
   chunk_size_kb: 1024
-  kv_transfer_timeout_ms: 300
+  kv_transfer_timeout_ms: null   # derived per transfer from its size, the RTT and goodput
   kv_retry_budget: 2
   kv_ttl_seconds: 120
 router:

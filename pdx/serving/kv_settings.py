@@ -26,6 +26,7 @@ def kv_store_config(cfg: DeployConfig, opts: NodeOptions) -> KVStoreConfig:
         budget_bytes=kv.store_budget_bytes,
         kv_ttl_seconds=kv.kv_ttl_seconds,
         max_inflight_kv=kv.max_inflight_kv,
+        congestion_control=kv.congestion_control,
         tls=tls_for(opts.cert_dir, "kv-store"),
         audit_path=kv.audit_dir / f"kv-store-prefill-{opts.index}.jsonl" if kv.audit_dir else None,
     )
@@ -41,7 +42,13 @@ def kv_client_config(cfg: DeployConfig, client_id: str) -> KVClientConfig:
     kv = cfg.kv
     return _known(
         KVClientConfig,
-        kv_transfer_timeout_ms=int(kv.kv_transfer_timeout_ms),
+        kv_transfer_timeout_ms=(
+            int(kv.kv_transfer_timeout_ms) if kv.kv_transfer_timeout_ms is not None else None
+        ),
+        streams=kv.streams,
+        connections=kv.connections,
+        congestion_control=kv.congestion_control,
+        link_gbps=kv.link_gbps,
         kv_retry_budget=kv.kv_retry_budget,
         chunk_size_kb=kv.chunk_size_kb,
         kv_ttl_seconds=kv.kv_ttl_seconds,

@@ -1,8 +1,9 @@
-"""``kv-bench``: Put N bytes into a store on loopback and Get them back; report goodput.
+"""``kv-bench``: Put N bytes into a store and Get them back; report goodput.
 
-The store runs as its own process (``pdx kv-serve``), as it would on the prefill host,
-so client and server do not share one interpreter lock. Goodput counts payload bytes
-(GB = 1e9 bytes) over the whole call, checksums and object digest included, after one
+By default the store runs on loopback as its own process (``pdx kv-serve``), as it would
+on the prefill host, so client and server do not share one interpreter lock; with
+``--target`` the bench talks to a running store over the real path. Goodput counts payload
+bytes (GB = 1e9 bytes) over the whole call, checksums and object digest included, after one
 unmeasured warm-up round.
 """
 
@@ -77,6 +78,10 @@ class BenchResult:
     # Unlike goodput, these barely move when other work shares the machine.
     put_cpu_s_per_gb: dict[str, float] = field(default_factory=dict)
     get_cpu_s_per_gb: dict[str, float] = field(default_factory=dict)
+    # the store bench talked to (loopback process, or --target) and what the path showed
+    target: str = ""
+    rtt_ms: float | None = None
+    congestion_control: str | None = None
 
 
 def process_cpu_s(pid: int | None = None) -> float | None:
@@ -147,22 +152,25 @@ class StoreProcess:
 class _CpuMeter:
     """CPU seconds per GB of one phase, for this process and the store process."""
 
-    def __init__(self, store_pid: int) -> None:
-        self.store_pid = store_pid
+    def __init__(self, store_pid: int | None) -> None:
+        self.store_pid = store_pid  # None: a remote store (--target), not measured
         self.samples: dict[str, list[tuple[float, float | None]]] = {"put": [], "get": []}
         self._start: tuple[float, float | None] = (0.0, None)
 
     def start(self) -> None:
         """Mark the beginning of a phase."""
-        self._start = (time.process_time(), process_cpu_s(self.store_pid))
+        self._start = (time.process_time(), self._store_cpu_s())
 
     def stop(self, phase: str, nbytes: int) -> None:
         """Record the phase that began at :meth:`start`, moving ``nbytes``."""
         client0, store0 = self._start
-        store1 = process_cpu_s(self.store_pid)
+        store1 = self._store_cpu_s()
         gb = nbytes / 1e9
         store = (store1 - store0) / gb if store0 is not None and store1 is not None else None
         self.samples[phase].append(((time.process_time() - client0) / gb, store))
+
+    def _store_cpu_s(self) -> float | None:
+        return process_cpu_s(self.store_pid) if self.store_pid is not None else None
 
     def medians(self, phase: str) -> dict[str, float]:
         """``{"client": .., "store": ..}`` medians (store omitted where unknown)."""
@@ -204,9 +212,13 @@ async def _rounds(
             await kv.release(kv_id)
             put_runs.append(len(payload) / put_s / 1e9)
             get_runs.append(len(payload) / get_s / 1e9)
-        retries = sum(r.retries for r in kv.records())
+        records = kv.records()
+        retries = sum(r.retries for r in records)
         used = "data" if await kv.data_endpoint() is not None else "grpc"
-    return {"put": put_runs, "get": get_runs, "retries": retries, "transport": used}
+        cc = next((r.congestion_control for r in reversed(records) if r.congestion_control), None)
+        rtt = round(kv.path.rtt_ms, 3) if kv.path.rtt_ms is not None else None
+    return {"put": put_runs, "get": get_runs, "retries": retries, "transport": used,
+            "congestion_control": cc, "rtt_ms": rtt}  # fmt: skip
 
 
 def run_bench(
@@ -219,8 +231,13 @@ def run_bench(
     connections: int = 1,
     transport: str = "auto",
     repeat: int = 3,
+    target: str | None = None,
+    tls_dir: Path | None = None,
+    tls_name: str = "decode",
+    congestion_control: str = "bbr",
 ) -> BenchResult:
-    """Start a store process, then time ``repeat`` Put+Get rounds of one object."""
+    """Time ``repeat`` Put+Get rounds of one object: against a store process started on
+    loopback, or against ``target`` (a running store, over the real path)."""
     from pdx.config import build_config
     from pdx.tls import TLSConfig
     from pdx.transfer.contract import KVClientConfig
@@ -235,38 +252,52 @@ def run_bench(
             "kv_transfer_timeout_ms": 600_000,
             "client_id": "kv-bench",
             "transport": transport,
+            "congestion_control": congestion_control,
         },
     )
     if repeat < 1:
         raise InputError("--repeat", repeat, "at least 1")
+    if target is not None:
+        from pdx.netaddr import parse_hostport
+
+        parse_hostport(target, "--target")
+        if tls and tls_dir is None:
+            raise InputError("--tls", True, "--tls-dir DIR (the store's CA and a client identity)")
     from pdx.transfer.server import tune_malloc
 
     tune_malloc()
     payload, layout = _payload(total_bytes, codec)
     with tempfile.TemporaryDirectory(prefix="pdx-kv-bench-") as tmp:
-        args = ["--budget-gb", str(max(4.0, 3 * len(payload) / 1e9))]
         client_tls = None
-        if tls:
-            from pdx.tls import init_certs
+        store: StoreProcess | None = None
+        if target is not None:
+            if tls_dir is not None:
+                client_tls = TLSConfig(cert_dir=tls_dir, name=tls_name)
+            meter = _CpuMeter(None)
+            where = target
+        else:
+            args = ["--budget-gb", str(max(4.0, 3 * len(payload) / 1e9))]
+            if tls:
+                from pdx.tls import init_certs
 
-            init_certs(Path(tmp))
-            args += ["--tls-dir", tmp]
-            client_tls = TLSConfig(cert_dir=Path(tmp), name="decode")
-        store = StoreProcess(args)
-        meter = _CpuMeter(store.proc.pid)
+                init_certs(Path(tmp))
+                args += ["--tls-dir", tmp]
+                client_tls = TLSConfig(cert_dir=Path(tmp), name="decode")
+            store = StoreProcess(args)
+            meter = _CpuMeter(store.proc.pid)
+            where = f"127.0.0.1:{store.port}"
         try:
-            runs = asyncio.run(
-                _rounds(f"127.0.0.1:{store.port}", payload, layout, cfg, client_tls, repeat, meter)
-            )
+            runs = asyncio.run(_rounds(where, payload, layout, cfg, client_tls, repeat, meter))
         finally:
-            store.stop()
+            if store is not None:
+                store.stop()
     return BenchResult(
         bytes=total_bytes,
         payload_bytes=len(payload),
         chunk_kb=chunk_kb,
         codec=codec,
         checksums=True,
-        tls=tls,
+        tls=client_tls is not None,
         streams=streams,
         connections=connections,
         transport=runs["transport"],
@@ -278,6 +309,9 @@ def run_bench(
         retries=runs["retries"],
         put_cpu_s_per_gb=meter.medians("put"),
         get_cpu_s_per_gb=meter.medians("get"),
+        target=where if target is not None else "loopback",
+        rtt_ms=runs["rtt_ms"],
+        congestion_control=runs["congestion_control"],
     )
 
 
@@ -287,12 +321,15 @@ def render_bench(con: Any, r: BenchResult) -> None:
         f"kv-bench: {r.payload_bytes / 1e6:.1f} MB object, chunk {r.chunk_kb} KiB, codec {r.codec}"
     )
     con.print(
-        f"  transport {r.transport}, tls {'on' if r.tls else 'off'}, checksums on, "
-        f"{r.streams} stream(s) over {r.connections} connection(s), median of {r.repeat}"
+        f"  store {r.target} (RTT {r.rtt_ms} ms), transport {r.transport}, tls "
+        f"{'on' if r.tls else 'off'}, congestion control {r.congestion_control or 'system'}, "
+        f"checksums on, {r.streams} stream(s) over {r.connections} connection(s), "
+        f"median of {r.repeat}"
     )
     con.print(f"  put {r.put_gbytes_per_s:.3f} GB/s   get {r.get_gbytes_per_s:.3f} GB/s")
     cpu = [
-        f"{op} client {d['client']:.2f} store {d.get('store', float('nan')):.2f}"
+        f"{op} client {d['client']:.2f} store "
+        + (f"{d['store']:.2f}" if "store" in d else "- (remote)")
         for op, d in (("put", r.put_cpu_s_per_gb), ("get", r.get_cpu_s_per_gb))
     ]
     con.print(f"  CPU-s per GB: {'   '.join(cpu)}")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import secrets
 import ssl
 import time
@@ -27,6 +28,15 @@ import xxhash
 from pdx._proto import kv_transfer_pb2 as pb
 from pdx.errors import InputError
 from pdx.netaddr import parse_hostport
+from pdx.tcp import (
+    TcpInfo,
+    available_congestion_controls,
+    bdp_bytes,
+    buffer_limits,
+    default_congestion_control,
+    tcp_info,
+    window_for,
+)
 from pdx.tls import TLSConfig, channel_credentials, client_ssl_context
 from pdx.transfer.audit import AuditLog
 from pdx.transfer.contract import (
@@ -47,6 +57,7 @@ from pdx.transfer.dataplane.client import (
 from pdx.transfer.dataplane.framing import Conn
 from pdx.transfer.metrics import KVMetrics, TransferRecord
 from pdx.transfer.objects import Assembly, KVObject, encode_tensors
+from pdx.transfer.path import Deadline, PathEstimate
 from pdx.transfer.retry import GlobalRetryBudget, backoff_s
 from pdx.transfer.rpc import CHANNEL_OPTIONS, SERVICE_NAME, map_rpc_error
 from pdx.transfer.wire import digest64, encode_chunk
@@ -57,6 +68,7 @@ if TYPE_CHECKING:
 __all__ = ["KVClient", "KVObject", "encode_tensors", "map_rpc_error"]
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 # Worker threads that move data-plane bytes (blocking sockets release the interpreter
 # lock). One pool for every client in the process; it grows only as transfers overlap.
@@ -65,10 +77,14 @@ _UNRESOLVED = object()
 DATA_RETRY_AFTER_S = 5.0  # auto: after the data port did not answer, gRPC for this long
 
 # After a link blip gRPC refuses calls until its reconnect backoff (default 1 s, growing)
-# expires; keep that short so a healed link is used again within ~0.1 s.
+# expires; keep that short so a healed link is used again within ~0.1 s. gRPC also takes
+# min_reconnect_backoff as the least time it gives one connection attempt: TCP, TLS and the
+# HTTP/2 SETTINGS exchange are four round trips (1.2 s at 300 ms RTT) and a lost SYN is
+# resent after 1 s, so an attempt gets 3 s; the request's own deadline still bounds the call.
+CONNECT_ATTEMPT_MS = 3000
 RECONNECT_OPTIONS: list[tuple[str, int]] = [
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", CONNECT_ATTEMPT_MS),
     ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
@@ -84,6 +100,11 @@ class _Request:
     retries: int = 0
     resumed_chunks: int = 0
     start_s: float = field(default_factory=time.perf_counter)
+    deadline: Deadline | None = None
+    began_s: float = 0.0
+    size: int | None = 0  # bytes it moves, None = unknown (a Get without a size hint)
+    congestion_control: str | None = None  # of the data-plane sockets that carried it
+    limited_by: str | None = None  # a Put stream capped by its send buffer / the peer's window
 
     def remaining_s(self) -> float:
         return self.deadline_s - time.monotonic()
@@ -123,6 +144,9 @@ class KVClient:
         self._endpoint_lock = asyncio.Lock()
         self._data_down_until = 0.0  # auto: use gRPC until then (the data port did not answer)
         self._pool = ConnPool(limit=2 * max(self.cfg.streams, self.cfg.connections))
+        self.path = PathEstimate(self.cfg.link_gbps)
+        self.system_cc = default_congestion_control()
+        self._warned_cap = False
 
     def _channel(self, i: int, creds: grpc.ChannelCredentials | None) -> grpc.aio.Channel:
         # A distinct option per channel keeps each on its own TCP connection.
@@ -153,12 +177,26 @@ class KVClient:
 
     # --- retries ----------------------------------------------------------------------
 
-    def _begin(self, op: str, kv_id: str = "") -> _Request:
+    def _begin(self, op: str, kv_id: str = "", size_bytes: int | None = 0) -> _Request:
         self.retry_budget.on_request()
-        return _Request(op, time.monotonic() + self.cfg.kv_transfer_timeout_ms / 1000, kv_id)
+        d = self.path.deadline(size_bytes, self.cfg.kv_transfer_timeout_ms)
+        now = time.monotonic()
+        return _Request(op, now + d.ms / 1000, kv_id, deadline=d, began_s=now, size=size_bytes)
+
+    def _extend(self, req: _Request) -> None:
+        """A derived deadline follows what the request itself taught the path estimate (the
+        first RTT a cold client measures): it may grow, never shrink."""
+        d = req.deadline
+        if d is None or d.source != "derived":
+            return
+        now = self.path.deadline(req.size, None)
+        if now.ms > d.ms:
+            req.deadline = now
+            req.deadline_s = max(req.deadline_s, req.began_s + now.ms / 1000)
 
     async def _attempt(self, req: _Request, fn: Callable[[float], Awaitable[T]]) -> T:
         """Run ``fn(timeout_s)`` once, mapping gRPC failures and the deadline to KVError."""
+        self._extend(req)
         remaining = req.remaining_s()
         if remaining <= 0:
             raise KVError(KVErrorCode.KV_TIMEOUT, f"{req.op}: deadline passed", kv_id=req.kv_id)
@@ -218,7 +256,12 @@ class KVClient:
         )
 
         async def once(timeout_s: float) -> Any:
-            return await call(request, timeout=timeout_s, metadata=self._metadata)
+            t0 = time.perf_counter()
+            reply = await call(request, timeout=timeout_s, metadata=self._metadata)
+            # An upper bound of the RTT (the first call also sets up the channel: a cold
+            # client's deadline errs on the long side until TCP itself measures the path).
+            self.path.observe_rtt((time.perf_counter() - t0) * 1e3)
+            return reply
 
         while True:
             try:
@@ -228,6 +271,8 @@ class KVClient:
 
     def _finish(self, req: _Request, nbytes: int, chunks: int, outcome: str) -> TransferRecord:
         ms = (time.perf_counter() - req.start_s) * 1000
+        d = req.deadline
+        moves = req.op in ("put", "get")
         rec = TransferRecord(
             req.kv_id,
             req.op,
@@ -237,23 +282,55 @@ class KVClient:
             outcome,
             chunks,
             req.resumed_chunks,
+            transport=req.transport if moves else None,
+            congestion_control=req.congestion_control
+            or (self.system_cc if moves and req.transport == "grpc" else None),
+            streams=self.cfg.streams if moves else None,
+            connections=self.cfg.connections if moves else None,
+            rtt_ms=round(self.path.rtt_ms, 3) if self.path.rtt_ms is not None else None,
+            deadline_ms=d.ms if d is not None else None,
+            deadline_source=d.source if d is not None else None,
+            limited_by=req.limited_by,
         )
         self.metrics.add_record(rec)
         self.metrics.duration.labels(op=req.op, side="client").observe(ms / 1000)
         if outcome != "ok":
             self.metrics.errors.labels(code=outcome, side="client").inc()
         else:
+            self.path.observe_success(nbytes, ms / 1000)
             self.metrics.bytes.labels(op=req.op, side="client").inc(nbytes)
             self.metrics.chunks.labels(op=req.op, side="client").inc(chunks)
+        if moves:
+            self.metrics.transfers.labels(
+                op=req.op, outcome=outcome, transport=req.transport,
+                congestion_control=rec.congestion_control or "unknown",
+            ).inc()  # fmt: skip
+        if req.limited_by and not self._warned_cap:
+            self._warn_cap(req)
         self.audit.record(
             req.op,
             who=self.cfg.client_id,
             peer=self.target,
             side="client",
-            **({"transport": req.transport} if req.op in ("put", "get") else {}),
-            **{k: v for k, v in rec.as_dict().items() if k != "op"},
+            **{k: v for k, v in rec.as_dict().items() if k != "op" and v is not None},
         )
         return rec
+
+    def _warn_cap(self, req: _Request) -> None:
+        """Say once which sysctl caps this client's streams, and what would not."""
+        self._warned_cap = True
+        limits = buffer_limits()
+        rtt = req.deadline.rtt_ms if req.deadline else None
+        sysctl, value = (("net.ipv4.tcp_wmem", limits.tcp_wmem_max)
+                         if req.limited_by == "send buffer"
+                         else ("net.ipv4.tcp_rmem (the store's)", None))  # fmt: skip
+        per_gbit = window_for(bdp_bytes(1e9, rtt)) if rtt else None
+        log.warning(
+            "KV %s to %s: one stream is limited by its %s (%s max %s) at RTT %s ms; "
+            "raise it to 2 x link rate x RTT (%s per Gbit/s here), set kv.link_gbps, "
+            "or use more kv.streams",
+            req.op, self.target, req.limited_by, sysctl, value, rtt, per_gbit,
+        )  # fmt: skip
 
     # --- data plane -------------------------------------------------------------------
 
@@ -302,11 +379,14 @@ class KVClient:
             if strict or self.cfg.data_target:
                 raise KVError(KVErrorCode.KV_INVALID, str(exc)) from None
             return None
-        return Endpoint(host, port, self._data_ssl, self.cfg.client_id)
+        cc = self.cfg.congestion_control
+        wanted = None if cc == "system" or cc not in available_congestion_controls() else cc
+        return Endpoint(host, port, self._data_ssl, self.cfg.client_id, wanted, self.cfg.link_gbps)
 
     async def _in_thread(
-        self, ep: Endpoint, kv_id: str, timeout_s: float, work: Callable[[Conn, int], T]
-    ) -> T:
+        self, req: _Request, ep: Endpoint, kv_id: str, timeout_s: float,
+        work: Callable[[Conn, int], T],
+    ) -> T:  # fmt: skip
         """Run ``work(conn, timeout_ms)`` on a pooled data-plane connection in a worker thread.
 
         The connection's deadline bounds every socket call; if the caller gives up first
@@ -327,13 +407,19 @@ class KVClient:
                 except DataPlaneUnreachable:
                     self._unreachable()
                     raise
+                if conn.rtt_ms:
+                    self.path.observe_rtt(conn.rtt_ms)
             used.append(conn)
+            req.congestion_control = conn.congestion_control
             conn.set_deadline(deadline)
+            before = tcp_info(conn.sock) if req.op == "put" else None
             try:
                 result = work(conn, timeout_ms)
             except BaseException as exc:
                 conn.close()
                 raise client_error(exc, kv_id, None) from None
+            if before is not None:
+                req.limited_by = req.limited_by or _limited(before, tcp_info(conn.sock))
             conn.set_deadline(None)
             self._pool.give(conn)
             return result
@@ -364,7 +450,7 @@ class KVClient:
             return False, None
         req.transport = "data"
         try:
-            return True, await self._in_thread(ep, kv_id, timeout_s, work)
+            return True, await self._in_thread(req, ep, kv_id, timeout_s, work)
         except DataPlaneUnreachable:
             if self.cfg.transport != "auto":
                 raise
@@ -389,7 +475,7 @@ class KVClient:
         else:
             payload, layout = encode_tensors(data, codec, layout.roles if layout else None)
         view = memoryview(payload).cast("B")
-        req = self._begin("put")
+        req = self._begin("put", size_bytes=len(view))
         try:
             info = await self._put_object(req, view, layout, model_version, ttl_s)
         except KVError as exc:
@@ -475,9 +561,13 @@ class KVClient:
 
     # --- get --------------------------------------------------------------------------
 
-    async def get(self, kv_id: str) -> KVObject:
-        """Fetch and verify a whole object (every chunk and the object digest)."""
-        req = self._begin("get", kv_id)
+    async def get(self, kv_id: str, *, size_hint: int | None = None) -> KVObject:
+        """Fetch and verify a whole object (every chunk and the object digest).
+
+        ``size_hint`` (bytes, when the caller knows it) sizes a derived deadline; without it
+        the largest object this client has moved stands in.
+        """
+        req = self._begin("get", kv_id, size_bytes=size_hint)
         try:
             obj = await self._get_object(req, kv_id)
         except KVError as exc:
@@ -606,6 +696,20 @@ async def _put_messages(
     if whole is not None:
         trailer = pb.PutTrailer(object_digest=whole.intdigest())
         yield pb.PutRequest(trailer=trailer).SerializeToString()
+
+
+def _limited(before: TcpInfo | None, after: TcpInfo | None) -> str | None:
+    """What limited a sending socket over one transfer (TCP_INFO's counters, differenced)."""
+    if before is None or after is None:
+        return None
+    busy = after.busy_ms - before.busy_ms
+    if busy < 100:  # too short to say (a transfer of a few RTTs is limited by slow start)
+        return None
+    if (after.sndbuf_limited_ms - before.sndbuf_limited_ms) / busy > 0.5:
+        return "send buffer"
+    if (after.rwnd_limited_ms - before.rwnd_limited_ms) / busy > 0.5:
+        return "receive window"
+    return None
 
 
 def _split(n: int, parts: int) -> list[tuple[int, int]]:

@@ -263,6 +263,11 @@ class KVStoreConfig(BaseModel):
     # on by default, on ``data_port`` (0 = any free port, announced by the DataPlane RPC).
     data_plane: bool = True
     data_port: int = Field(default=0, ge=0, le=65535)
+    # Congestion control of the data plane's sockets unless the client asks for another the
+    # kernel offers; and the largest send buffer a client may ask for (a long fat path's
+    # BDP), which bounds what one connection can hold of the store's memory.
+    congestion_control: Literal["bbr", "cubic", "system"] = "bbr"
+    max_send_buffer_bytes: int = Field(default=64 * 1024 * 1024, ge=0, le=1 << 30)
 
 
 class KVClientConfig(BaseModel):
@@ -270,7 +275,9 @@ class KVClientConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    kv_transfer_timeout_ms: int = Field(default=300, gt=0)
+    # None: derived per request from its size and the path's measured RTT and goodput
+    # (pdx.transfer.path); a number is a fixed deadline for every request.
+    kv_transfer_timeout_ms: int | None = Field(default=None, gt=0)
     kv_retry_budget: int = Field(default=2, ge=0, le=10)
     chunk_size_kb: int = Field(default=DEFAULT_CHUNK_KB, ge=CHUNK_MIN_KB, le=CHUNK_MAX_KB)
     streams: int = Field(default=1, ge=1, le=16)
@@ -288,6 +295,12 @@ class KVClientConfig(BaseModel):
     # HOST:PORT to dial for the data plane instead of the gRPC host + announced port
     # (a NAT, a port forward, or a fault proxy in front of it).
     data_target: str | None = None
+    # TCP congestion control of the data plane's sockets (this side's, and asked of the
+    # store for what it sends): bbr where the kernel has it, else the system's default.
+    congestion_control: Literal["bbr", "cubic", "system"] = "bbr"
+    # The link's rate, when known (pdx probe-link measures it): socket buffers are then sized
+    # to twice its bandwidth-delay product, up to the kernel's limits; None = autotuning.
+    link_gbps: float | None = Field(default=None, gt=0, le=1000)
 
     @model_validator(mode="after")
     def _backoff_order(self) -> KVClientConfig:

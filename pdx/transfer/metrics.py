@@ -27,6 +27,17 @@ class TransferRecord:
     outcome: str
     chunks: int = 0
     resumed_chunks: int = 0
+    # how it travelled (Put/Get): transport, the data-plane sockets' congestion control
+    # (gRPC's are the system default), stripes and channels
+    transport: str | None = None
+    congestion_control: str | None = None
+    streams: int | None = None
+    connections: int | None = None
+    # the deadline it ran under: fixed (explicit) or derived from size, RTT and goodput
+    rtt_ms: float | None = None
+    deadline_ms: float | None = None
+    deadline_source: str | None = None
+    limited_by: str | None = None  # a Put stream capped by "send buffer" / "receive window"
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready)."""
@@ -51,6 +62,12 @@ class KVMetrics:
             registry=r,
         )
         self.retries = Counter("pdx_kv_retries", "Retried attempts", ["op"], registry=r)
+        self.transfers = Counter(
+            "pdx_kv_transfers",
+            "Put/Get transfers by outcome, transport and TCP congestion control",
+            ["op", "outcome", "transport", "congestion_control"],
+            registry=r,
+        )
         self.errors = Counter(
             "pdx_kv_errors", "Errors by contract code", ["code", "side"], registry=r
         )

@@ -105,6 +105,8 @@ def _data_server(service: KVService, cfg: KVStoreConfig) -> DataServer:
         cfg.data_port,
         ssl_context=ssl_context,
         max_frame_bytes=cfg.chunk_size_kb_max * 1024,
+        congestion_control=cfg.congestion_control,
+        max_send_buffer_bytes=cfg.max_send_buffer_bytes,
     )
 
 

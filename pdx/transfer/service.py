@@ -22,6 +22,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pdx._proto import kv_transfer_pb2 as pb
+from pdx.tcp import available_congestion_controls
 from pdx.transfer.audit import digest_hex
 from pdx.transfer.contract import (
     CLIENT_ID_METADATA_KEY,
@@ -321,6 +322,7 @@ class KVService:
             port=ds.port,
             tls=ds.ssl_context is not None,
             max_frame_bytes=ds.max_frame_bytes,
+            congestion_controls=available_congestion_controls(),
         )
 
     async def release(

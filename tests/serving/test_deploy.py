@@ -88,7 +88,7 @@ def test_embedded_default_is_the_documented_pair() -> None:
     assert (cfg.prefill.count, cfg.decode.count) == (1, 1)
     assert cfg.model.backend == "transformers" and cfg.model.preset == "tiny-llama"
     assert cfg.tls.enabled and cfg.gateway.host == "127.0.0.1" and cfg.gateway.port == 8000
-    assert cfg.kv.kv_transfer_timeout_ms == 300 and cfg.kv.kv_retry_budget == 2
+    assert cfg.kv.kv_transfer_timeout_ms is None and cfg.kv.kv_retry_budget == 2  # derived
 
 
 # --- the real command -------------------------------------------------------------------

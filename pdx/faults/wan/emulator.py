@@ -227,7 +227,7 @@ class Lane:
                 if due - now > lead:
                     wake_at = due - lead
                     if not self.cv.wait(wake_at - now):  # timed out: how late did we wake?
-                        lags.append(max(0.0, time.monotonic() - wake_at + lead))
+                        lags.append(max(0.0, time.monotonic() - wake_at))
                         lead = min(MAX_LEAD_S, min(lags))
                     continue
                 queue.popleft()

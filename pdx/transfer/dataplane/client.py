@@ -5,6 +5,7 @@ Everything here runs in worker threads of :class:`pdx.transfer.client.KVClient`.
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import threading
@@ -13,6 +14,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdx._proto import kv_transfer_pb2 as pb
+from pdx.tcp import (
+    bdp_bytes,
+    buffer_limits,
+    congestion_control,
+    set_congestion_control,
+    tcp_info,
+    window_for,
+)
 from pdx.transfer.contract import KVError, KVErrorCode
 from pdx.transfer.dataplane.framing import (
     VERSION,
@@ -33,12 +42,20 @@ class DataPlaneUnreachable(KVError):
 
 @dataclass(frozen=True)
 class Endpoint:
-    """Where a store's data plane listens, as this client dials it."""
+    """Where a store's data plane listens, as this client dials it, and how to dial it.
+
+    ``congestion_control``: the TCP algorithm for this side's socket and asked of the store
+    for its side (None = the systems' defaults). ``link_gbps``: when known, both sides'
+    buffers are sized to twice the path's bandwidth-delay product (the RTT is TCP's own,
+    from the handshake), up to the kernel's limits.
+    """
 
     host: str
     port: int
     ssl_context: ssl.SSLContext | None
     client_id: str
+    congestion_control: str | None = None
+    link_gbps: float | None = None
 
     def connect(self, deadline: float) -> Conn:
         """Dial, handshake (TLS), say HELLO. Errors map to contract errors."""
@@ -46,7 +63,7 @@ class Endpoint:
         if left <= 0:
             raise KVError(KVErrorCode.KV_TIMEOUT, "deadline passed before connecting")
         try:
-            sock = socket.create_connection((self.host, self.port), timeout=left)
+            sock = _dial(self.host, self.port, left, self.congestion_control)
         except TimeoutError:
             raise DataPlaneUnreachable(
                 KVErrorCode.KV_TIMEOUT, f"data plane {self.host}:{self.port}: connect timed out"
@@ -57,6 +74,9 @@ class Endpoint:
             ) from None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            info = tcp_info(sock)
+            rtt_ms = info.rtt_ms if info is not None else None
+            buffer = self._size_buffers(sock, rtt_ms)
             conn: Conn
             if self.ssl_context is not None:
                 left = max(0.001, deadline - time.monotonic())
@@ -65,8 +85,15 @@ class Endpoint:
                 )
             else:
                 conn = Conn(sock)
+            conn.rtt_ms = rtt_ms
+            conn.congestion_control = congestion_control(sock)
             conn.set_deadline(deadline)
-            hello = pb.DataHello(version=VERSION, client_id=self.client_id)
+            hello = pb.DataHello(
+                version=VERSION,
+                client_id=self.client_id,
+                congestion_control=self.congestion_control or "",
+                send_buffer_bytes=buffer,
+            )
             conn.send_frame(Kind.HELLO, hello.SerializeToString())
             return conn
         except ssl.SSLError as exc:
@@ -78,6 +105,39 @@ class Endpoint:
         except OSError as exc:
             sock.close()
             raise KVError(KVErrorCode.KV_UNAVAILABLE, f"data plane: {exc}") from None
+
+    def _size_buffers(self, sock: socket.socket, rtt_ms: float | None) -> int:
+        """Buffers for twice the BDP where autotuning would stop short; the size (0: none)."""
+        if not self.link_gbps or not rtt_ms:
+            return 0
+        want = window_for(bdp_bytes(self.link_gbps * 1e9, rtt_ms))
+        limits = buffer_limits()
+        sides = ((socket.SO_SNDBUF, limits.tcp_wmem_max, limits.wmem_max),
+                 (socket.SO_RCVBUF, limits.tcp_rmem_max, limits.rmem_max))  # fmt: skip
+        for opt, auto, core in sides:
+            if auto is not None and want > auto and core:
+                # An explicit size stops autotuning: set it only where it is larger; the
+                # kernel caps it at net.core.*mem_max (and doubles it for bookkeeping).
+                sock.setsockopt(socket.SOL_SOCKET, opt, min(want, core))
+        return want
+
+
+def _dial(host: str, port: int, timeout_s: float, cc: str | None) -> socket.socket:
+    """A connected TCP socket, with congestion control ``cc`` set before the SYN."""
+    last: OSError | None = None
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM):
+        sock = socket.socket(family, kind, proto)
+        try:
+            if cc:
+                with contextlib.suppress(OSError):  # the kernel lacks it: the default stays
+                    set_congestion_control(sock, cc)
+            sock.settimeout(timeout_s)
+            sock.connect(addr)
+            return sock
+        except OSError as exc:
+            sock.close()
+            last = exc
+    raise last or OSError(f"cannot resolve {host}")
 
 
 class ConnPool:

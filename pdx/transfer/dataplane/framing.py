@@ -172,6 +172,8 @@ class Conn:
         self.closed = False
         self.expired = False
         self._token = 0
+        self.rtt_ms: float | None = None  # TCP's handshake RTT (client side)
+        self.congestion_control: str | None = None
 
     def set_deadline(self, deadline: float | None) -> None:
         """Bound every later call by ``deadline`` (``time.monotonic()``; None = no bound)."""

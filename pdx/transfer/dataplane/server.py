@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pdx._proto import kv_transfer_pb2 as pb
+from pdx.tcp import available_congestion_controls, buffer_limits, set_congestion_control
 from pdx.transfer.contract import KVError, KVErrorCode
 from pdx.transfer.dataplane.framing import (
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -134,12 +135,19 @@ class DataServer:
         ssl_context: ssl.SSLContext | None = None,
         max_connections: int = 256,
         max_frame_bytes: int,
+        congestion_control: str = "system",
+        max_send_buffer_bytes: int = 0,
     ) -> None:
         self.service = service
         self.loop = loop
         self.ssl_context = ssl_context
         self.max_connections = max_connections
         self.max_frame_bytes = max_frame_bytes
+        self.available_cc = set(available_congestion_controls())
+        self.congestion_control = (
+            congestion_control if congestion_control in self.available_cc else None
+        )
+        self.max_send_buffer_bytes = max_send_buffer_bytes
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -194,6 +202,9 @@ class DataServer:
         conn: Conn | None = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.congestion_control:
+                with contextlib.suppress(OSError):
+                    set_congestion_control(sock, self.congestion_control)
             conn = self._open(sock)
             if conn is not None:
                 self._requests(conn)
@@ -244,12 +255,25 @@ class DataServer:
         if who == "anonymous" and hello.client_id:
             who = "client=" + hello.client_id[:128]
         conn.who = who
+        self._tune(conn, hello)
         with self._lock:
             if self._stopping:
                 conn.close()
                 return None
             self._conns.add(conn)
         return conn
+
+    def _tune(self, conn: Conn, hello: pb.DataHello) -> None:
+        """What the client asked for its connection: the algorithm the store sends with (if
+        this kernel has it) and a send buffer for the path's BDP (capped by the store)."""
+        if hello.congestion_control in self.available_cc:
+            with contextlib.suppress(OSError):
+                set_congestion_control(conn.sock, hello.congestion_control)
+        want = min(hello.send_buffer_bytes, self.max_send_buffer_bytes)
+        auto = buffer_limits().tcp_wmem_max
+        if want and auto is not None and want > auto:
+            with contextlib.suppress(OSError):
+                conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, want)
 
     def _audit_reject(self, peer: str, code: KVErrorCode, reason: str) -> None:
         self.service.metrics.errors.labels(code=code.value, side="store").inc()

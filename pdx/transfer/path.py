@@ -1,0 +1,87 @@
+"""What a client knows about its path to one store: RTT, goodput, and the deadline that fits.
+
+A fixed loopback-sized deadline (300 ms) cannot move 300 MB at 1 Gbit/s (2.4 s), nor set
+up a TLS connection at 300 ms RTT (four round trips). Unless ``kv_transfer_timeout_ms`` is
+given, each request's deadline is derived from the object's size and what this client has
+measured on the path (documented in docs/kv-transfer.md, recorded in every transfer record):
+
+    deadline_ms = 300                                   the contract's floor
+                + 3000           while no exchange has succeeded yet (connection set-up)
+                + 10 x RTT_ms    request round trips, slow start, a retry's backoff
+                + 2 x size x 8 / goodput x 1000        the bytes, with a factor 2 of margin
+
+RTT is the smallest seen (TCP's handshake RTT of each data-plane connection, the time of
+small gRPC calls); goodput is a moving average over transfers of at least 1 MiB, or
+``link_gbps`` when configured, or 100 Mbit/s before anything is measured.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+DEADLINE_FLOOR_MS = 300.0
+COLD_SETUP_MS = 3000.0
+RTT_FACTOR = 10.0
+BYTES_FACTOR = 2.0
+ASSUMED_GOODPUT_BPS = 100e6
+MIN_SAMPLE_BYTES = 1 << 20
+_EWMA = 0.3
+
+
+def derived_deadline_ms(size_bytes: int, rtt_ms: float, goodput_bps: float, cold: bool) -> float:
+    """The documented formula (module docstring)."""
+    setup = COLD_SETUP_MS if cold else 0.0
+    bytes_ms = BYTES_FACTOR * size_bytes * 8 / goodput_bps * 1e3
+    return DEADLINE_FLOOR_MS + setup + RTT_FACTOR * rtt_ms + bytes_ms
+
+
+@dataclass(frozen=True)
+class Deadline:
+    """One request's deadline and where it came from."""
+
+    ms: float
+    source: str  # "explicit" (kv_transfer_timeout_ms) or "derived"
+    rtt_ms: float | None
+    goodput_gbps: float | None
+
+
+class PathEstimate:
+    """RTT and goodput seen by one client on its path to one store (thread-safe)."""
+
+    def __init__(self, link_gbps: float | None = None) -> None:
+        self.link_bps = link_gbps * 1e9 if link_gbps else None
+        self.rtt_ms: float | None = None
+        self.goodput_bps: float | None = None
+        self.largest_bytes = 0  # the largest object seen, for a Get of unknown size
+        self.warm = False
+        self._lock = threading.Lock()
+
+    def observe_rtt(self, rtt_ms: float) -> None:
+        """A round trip (an upper bound of the path's RTT): keep the smallest."""
+        if rtt_ms <= 0:
+            return
+        with self._lock:
+            self.rtt_ms = rtt_ms if self.rtt_ms is None else min(self.rtt_ms, rtt_ms)
+
+    def observe_success(self, nbytes: int, seconds: float) -> None:
+        """A request that worked; one of at least 1 MiB also measures goodput."""
+        with self._lock:
+            self.warm = True
+            self.largest_bytes = max(self.largest_bytes, nbytes)
+            if nbytes >= MIN_SAMPLE_BYTES and seconds > 0:
+                rate = nbytes * 8 / seconds
+                g = self.goodput_bps
+                self.goodput_bps = rate if g is None else (1 - _EWMA) * g + _EWMA * rate
+
+    def deadline(self, size_bytes: int | None, explicit_ms: float | None) -> Deadline:
+        """The deadline of a request moving ``size_bytes`` (None: the largest seen so far)."""
+        with self._lock:
+            rtt, measured, warm = self.rtt_ms, self.goodput_bps, self.warm
+            size = self.largest_bytes if size_bytes is None else size_bytes
+        goodput = measured or self.link_bps or ASSUMED_GOODPUT_BPS
+        gbps = round(goodput / 1e9, 4)
+        if explicit_ms is not None:
+            return Deadline(float(explicit_ms), "explicit", rtt, gbps)
+        ms = derived_deadline_ms(size, rtt or 0.0, goodput, cold=not warm)
+        return Deadline(round(ms, 1), "derived", rtt, gbps)
