@@ -305,8 +305,9 @@ class KVClient:
                 op=req.op, outcome=outcome, transport=req.transport,
                 congestion_control=rec.congestion_control or "unknown",
             ).inc()  # fmt: skip
-        if req.limited_by and not self._warned_cap:
-            self._warn_cap(req)
+        rtt = self.path.rtt_ms
+        if req.limited_by and not self._warned_cap and rtt is not None and rtt >= 1.0:
+            self._warn_cap(req, rtt)  # (on a LAN a window limit is about the peer's CPU)
         self.audit.record(
             req.op,
             who=self.cfg.client_id,
@@ -316,20 +317,19 @@ class KVClient:
         )
         return rec
 
-    def _warn_cap(self, req: _Request) -> None:
+    def _warn_cap(self, req: _Request, rtt_ms: float) -> None:
         """Say once which sysctl caps this client's streams, and what would not."""
         self._warned_cap = True
-        limits = buffer_limits()
-        rtt = req.deadline.rtt_ms if req.deadline else None
-        sysctl, value = (("net.ipv4.tcp_wmem", limits.tcp_wmem_max)
-                         if req.limited_by == "send buffer"
-                         else ("net.ipv4.tcp_rmem (the store's)", None))  # fmt: skip
-        per_gbit = window_for(bdp_bytes(1e9, rtt)) if rtt else None
+        if req.limited_by == "send buffer":
+            where = f"net.ipv4.tcp_wmem max {buffer_limits().tcp_wmem_max} B here"
+        else:
+            where = "net.ipv4.tcp_rmem max on the store"
         log.warning(
-            "KV %s to %s: one stream is limited by its %s (%s max %s) at RTT %s ms; "
-            "raise it to 2 x link rate x RTT (%s per Gbit/s here), set kv.link_gbps, "
-            "or use more kv.streams",
-            req.op, self.target, req.limited_by, sysctl, value, rtt, per_gbit,
+            "KV %s to %s: one stream is limited by its %s (%s) at RTT %.1f ms; a max of "
+            "%d B per Gbit/s of link would not cap it: raise it, set kv.link_gbps, or use "
+            "more kv.streams",
+            req.op, self.target, req.limited_by, where, rtt_ms,
+            window_for(bdp_bytes(1e9, rtt_ms)),
         )  # fmt: skip
 
     # --- data plane -------------------------------------------------------------------
