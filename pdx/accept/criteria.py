@@ -183,16 +183,16 @@ def judge_step(
         if measured is None:
             out.append(_absent(name, step, float(threshold), spec, summary))
             continue
+        values = samples or {}
         out.append(
-            _judge(name, step.id, measured, float(threshold), spec, summary, samples or {},
-                   confidence)
-        )  # fmt: skip
+            _judge(name, step.id, measured, float(threshold), spec, summary, values, confidence)
+        )
     return out
 
 
-def _absent(name: str, step: Step, threshold: float, spec: _Spec, summary: dict[str, Any]) -> (
-    CriterionResult
-):  # fmt: skip
+def _absent(
+    name: str, step: Step, threshold: float, spec: _Spec, summary: dict[str, Any]
+) -> CriterionResult:
     passed = _absent_passes(name, summary)
     return CriterionResult(
         name=name, step=step.id, measured=None, threshold=threshold, margin=None, passed=passed,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import random
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -306,8 +307,6 @@ async def collect(
     ctx: GateContext, rows: list[dict[str, Any]], t0_s: float, idle_s: float, step_index: int
 ) -> StepGates:
     """Every gate's facts for one step (replaying its sample on the local route)."""
-    import time
-
     facts: dict[str, Any] = {}
     missing: list[str] = []
     fallback = silent_fallback(rows)
