@@ -7,7 +7,8 @@ STAMP  := $(VENV)/.pdx-installed
 # torch first, pinned: the CPU build; an unpinned torch may pull a multi-GB CUDA build.
 TORCH  ?= torch==2.13.0
 
-.PHONY: install demo test lint typecheck unit proto proto-check system-tools bench clean
+.PHONY: install demo test lint typecheck unit proto proto-check system-tools vllm vllm-if-possible \
+	bench clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -31,8 +32,18 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-unit: $(STAMP) system-tools
+unit: $(STAMP) system-tools vllm-if-possible
 	$(BIN)/python -m pytest -q -ra
+
+# The vLLM environment (engine: vllm) in its own venv, .venv-vllm; pdx's .venv is not touched.
+# `make vllm` fails when it cannot build; `make test` builds it when the machine can (Linux
+# x86_64 with AVX2, Python 3.11, 5 GB disk, 8 GiB memory) and otherwise prints why, and the
+# vLLM tests skip with that reason. PDX_NO_VLLM=1 never builds it.
+vllm:
+	@PYTHON=$(PYTHON) scripts/vllm-env.sh
+
+vllm-if-possible:
+	@PYTHON=$(PYTHON) scripts/vllm-env.sh --if-possible
 
 # Debian tools for system tests (netns, nft, ping, chromium); root only, PDX_NO_APT=1 skips.
 system-tools:

@@ -43,6 +43,10 @@ def deploy(
         typer.echo(to_yaml(cfg), nl=False)
         return
     if render is not None:
+        if cfg.engine != "pdx":
+            raise InputError(
+                "--render", render, "engine: pdx (manifests exist for pdx's pair only)"
+            )
         _render(cfg, render, out_dir, as_json)
         return
     if out_dir is not None:
@@ -83,6 +87,9 @@ def _render_endpoints(con: Any, ep: dict[str, Any]) -> None:
     from rich.table import Table
 
     model = ep["model"]
+    if model.get("engine") == "vllm":
+        _render_engines(con, ep)
+        return
     label = " (synthetic)" if model.get("synthetic") else ""
     con.print(f"gateway  {ep['gateway']}  (OpenAI API: /v1/completions, /metrics, /readyz)")
     con.print(f"model    {model.get('model')}{label}  version {model.get('model_version')}")
@@ -95,6 +102,24 @@ def _render_endpoints(con: Any, ep: dict[str, Any]) -> None:
     for proxy in ep["proxies"]:
         con.print(f"kv proxy {proxy['listen']} -> {proxy['upstream']}  control {proxy['control']}")
     con.print(f"mTLS     {ep['tls_dir'] or 'off'}")
+
+
+def _render_engines(con: Any, ep: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    model, env = ep["model"], ep["model"].get("environment") or {}
+    con.print(f"gateway  {ep['gateway']}  (OpenAI API: /v1/completions, /metrics, /readyz)")
+    blocks = f"KV {model.get('kv_dtype')}, blocks of {model.get('block_size')} tokens"
+    con.print(f"model    {model.get('model')}  {model.get('model_path')}  ({blocks})")
+    if env:
+        con.print(f"engine   vLLM {env.get('vllm_version')} on {model.get('device')}, "
+                  f"NIXL {env.get('nixl_version')}  ({env.get('python')})")  # fmt: skip
+    table = Table("instance", "pid", "url", "cpus", "nixl side channel", box=None)
+    for inst in [*ep["prefill"], *ep["decode"]]:
+        cpus = ",".join(map(str, inst.get("cpus") or [])) or "-"
+        table.add_row(inst["name"], str(inst.get("pid", "-")), inst["url"], cpus,
+                      inst.get("nixl_side_channel", "-"))  # fmt: skip
+    con.print(table)
 
 
 def register(app: typer.Typer) -> None:

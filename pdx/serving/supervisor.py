@@ -85,6 +85,7 @@ class Deployment:
         self.proxies: list[Any] = []
         self.controls: list[Any] = []
         self.gateway: Any = None
+        self.engines: Any = None  # VLLMEngines with engine: vllm
         self.failed: str | None = None
         self._stopping = False
         self._watchers: list[asyncio.Task[None]] = []
@@ -96,11 +97,13 @@ class Deployment:
         if (self.cfg.prefill.netns or self.cfg.decode.netns) and os.geteuid() != 0:
             raise DeployError("prefill.netns / decode.netns need root (ip netns exec)")
         self.work_dir.mkdir(parents=True, exist_ok=True)
-        self.cert_dir = self._certs()
+        self.cert_dir = self._certs() if self.cfg.engine == "pdx" else None
         cfg_path = self.work_dir / "deploy.json"
         cfg_path.write_text(self.cfg.model_dump_json())
         self.children = [Child("prefill", i) for i in range(self.cfg.prefill.count)]
         self.children += [Child("decode", i) for i in range(self.cfg.decode.count)]
+        if self.cfg.engine == "vllm":
+            self.children = await self._prepare_engines()
         try:
             await asyncio.gather(*(self._spawn(c) for c in self.children))
             await self._start_proxies()
@@ -138,7 +141,26 @@ class Deployment:
                 argv += ["--kv-port", str(child.info["kv_port"])]
         return argv
 
+    async def _prepare_engines(self) -> list[Child]:
+        """vLLM instances: environment, model and ports fixed once (none when fronting)."""
+        from pdx.serving.engines.vllm import VLLMEngines
+
+        self.engines = VLLMEngines(self.cfg, self.work_dir)
+        await asyncio.to_thread(self.engines.prepare)
+        return [Child(role, i) for role, i in self.engines.children_roles()]
+
+    async def _spawn_engine(self, child: Child) -> None:
+        from pdx.serving.engines.vllm import EngineStartError
+
+        try:
+            await self.engines.spawn(child)
+        except EngineStartError as exc:
+            raise DeployError(f"{child.name}: {exc}") from None
+
     async def _spawn(self, child: Child) -> None:
+        if self.engines is not None:
+            await self._spawn_engine(child)
+            return
         child.log_path = self.work_dir / f"{child.name}.log"
         logf = child.log_path.open("ab")
         try:
@@ -186,7 +208,16 @@ class Deployment:
                 await control.start()
                 self.controls.append(control)
 
+    async def _start_engine_gateway(self) -> None:
+        from pdx.serving.gateway.engine_app import gateway_for_engines
+
+        self.gateway = await gateway_for_engines(self.cfg, self.engines)
+        await self.gateway.start(self.cfg.gateway.host, self.cfg.gateway.port)
+
     async def _start_gateway(self) -> None:
+        if self.engines is not None:
+            await self._start_engine_gateway()
+            return
         from pdx.serving.backends.tokenizer import ByteTokenizer
         from pdx.serving.gateway import build_gateway
         from pdx.tls import tls_for
@@ -215,12 +246,17 @@ class Deployment:
         await self.gateway.start(cfg.gateway.host, cfg.gateway.port)
 
     def _model_info(self) -> dict[str, Any]:
+        if self.engines is not None:
+            info: dict[str, Any] = self.engines.model_dict()
+            return info
         decode = next(c for c in self.children if c.role == "decode")
         return decode.info
 
     def endpoints(self) -> Endpoints:
         """The addresses a user (or a test) needs."""
         gw = self.gateway
+        if self.engines is not None:
+            return self._engine_endpoints()
         return Endpoints(
             gateway=f"http://{self.cfg.gateway.host}:{gw.port}" if gw else "",
             prefill=[{"name": c.name, **c.info} for c in self.children if c.role == "prefill"],
@@ -237,6 +273,21 @@ class Deployment:
             work_dir=str(self.work_dir),
             model=self._model_info() if self.children else {},
         )
+
+    def _engine_endpoints(self) -> Endpoints:
+        """Each vLLM instance with its ``url`` (started ones also with pid and ports)."""
+        started = {c.name: c for c in self.children}
+        rows: dict[str, list[dict[str, Any]]] = {"prefill": [], "decode": []}
+        for inst in self.engines.instances.values():
+            child = started.get(inst.name)
+            info = child.info if child and child.info else self.engines.describe(inst)
+            rows[inst.role].append({"name": inst.name, **info})
+        gw = self.gateway
+        return Endpoints(
+            gateway=f"http://{self.cfg.gateway.host}:{gw.port}" if gw else "",
+            prefill=rows["prefill"], decode=rows["decode"], proxies=[], tls_dir=None,
+            work_dir=str(self.work_dir), model=self._model_info(),
+        )  # fmt: skip
 
     # --- supervision ---------------------------------------------------------------
 
@@ -295,6 +346,10 @@ class Deployment:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
+        if self.engines is not None:  # an engine's own children (its engine core, workers)
+            from pdx.serving.engines.vllm import kill_group
+
+            kill_group(proc.pid)
 
 
 def _tokenizer(cfg: DeployConfig) -> Any:

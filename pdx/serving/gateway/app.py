@@ -77,6 +77,8 @@ def http_error(exc: HTTPProblem) -> web.Response:
 class Gateway:
     """The HTTP front door; owns the router, the gRPC channels and the metrics."""
 
+    flow_factory: type[Flow] = Flow  # one choice's path (engine gateways use their own)
+
     def __init__(
         self,
         cfg: GatewayConfig,
@@ -295,7 +297,7 @@ class Gateway:
                     "overloaded",
                     headers={"Retry-After": str(self.cfg.retry_after_s)},
                 )
-            flows.append(Flow(self, req, decision, request_id=rid, index=index))
+            flows.append(self.flow_factory(self, req, decision, request_id=rid, index=index))
         created = created_now()
         if req.stream:
             return await self._stream(request, req, flows, rid, created)

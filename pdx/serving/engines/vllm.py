@@ -1,0 +1,377 @@
+"""vLLM prefill and decode instances: model, ports, command line, environment, readiness.
+
+:class:`VLLMEngines` is what the supervisor (``pdx deploy``) uses with ``engine: vllm``. For
+each instance it fixes the ports once (a restart keeps them, so the gateway and the decode
+side's cached NIXL peer addresses stay right), builds the command
+``PYTHON -m vllm.entrypoints.openai.api_server --model DIR ... --kv-transfer-config {...}``
+and the environment (NIXL side channel, ``UCX_TLS``, CPU pinning, the NIXL idle fix, no hub
+access, no usage reporting), starts it in a process group of its own, and waits for
+``GET /health``. With ``vllm.prefill_urls`` / ``decode_urls`` it starts nothing and only
+describes the instances you run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+from pdx.errors import InputError
+from pdx.serving.deploy_config import DeployConfig, VLLMConfig, engine_model_config_json
+from pdx.serving.engines.env import VLLMEnv, discover
+
+Role = Literal["prefill", "decode"]
+MODULE = "vllm.entrypoints.openai.api_server"
+#: Head sizes vLLM's CPU attention backend computes (vllm/v1/attention/backends/cpu_attn.py);
+#: anything else fails on the first request, not at start, so pdx checks it up front.
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+_ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+
+
+class ChildLike(Protocol):
+    """The supervisor's view of one process (``pdx.serving.supervisor.Child``)."""
+
+    role: str
+    index: int
+    proc: asyncio.subprocess.Process | None
+    info: dict[str, Any]
+    log_path: Path | None
+
+    @property
+    def name(self) -> str:
+        """``prefill-0``, ``decode-1``, ..."""
+        ...
+
+
+class EngineStartError(Exception):
+    """An instance exited or did not answer ``/health`` in time (the message says which)."""
+
+
+@dataclass
+class Instance:
+    """One vLLM server: where it listens and what it is given."""
+
+    role: Role
+    index: int
+    host: str
+    port: int
+    side_channel_port: int
+    cpus: list[int] = field(default_factory=list)
+    gpu: int | None = None
+    external_url: str | None = None
+
+    @property
+    def name(self) -> str:
+        """``prefill-0``, ``decode-1``, ..."""
+        return f"{self.role}-{self.index}"
+
+    @property
+    def url(self) -> str:
+        """HTTP base URL (its ``/metrics`` is the engine's own)."""
+        return self.external_url or f"http://{_url_host(self.host)}:{self.port}"
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """The checkpoint the instances serve and what the gateway needs to know about it."""
+
+    path: str
+    served_name: str
+    version: str
+    max_context_tokens: int
+    config: dict[str, Any]
+    kv_dtype: str  # the KV element type vLLM keeps (measure-kv's name: bf16, fp16, fp32, fp8)
+
+
+def _url_host(host: str) -> str:
+    return f"[{host}]" if ":" in host else host
+
+
+def free_port(host: str) -> int:
+    """A port the kernel says is free on ``host`` now (the instance binds it shortly after)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def resolve_model(v: VLLMConfig, cache_dir: Path) -> Path:
+    """The checkpoint directory: a tiny preset exported once under ``cache_dir``, or yours."""
+    from pdx.serving.backends.presets import TINY_PRESETS
+
+    if v.model in TINY_PRESETS:
+        from pdx.serving.engines.checkpoint import export_tiny_checkpoint
+
+        return export_tiny_checkpoint(cache_dir, v.model)
+    path = Path(v.model).expanduser()
+    if not (path / "config.json").is_file():
+        raise InputError(
+            "vllm.model", v.model, f"a checkpoint directory with config.json or one of "
+            f"{sorted(TINY_PRESETS)}",
+        )  # fmt: skip
+    return path.resolve()
+
+
+def head_size(config: dict[str, Any]) -> int | None:
+    """Attention head size from a config (``head_dim``, else hidden / heads)."""
+    text = config.get("text_config") or config
+    if text.get("head_dim"):
+        return int(text["head_dim"])
+    heads, hidden = text.get("num_attention_heads"), text.get("hidden_size")
+    return int(hidden) // int(heads) if heads and hidden else None
+
+
+def check_model_for_device(config: dict[str, Any], device: str, model: str) -> None:
+    """Refuse at start what the engine would only refuse at the first request."""
+    size = head_size(config)
+    if device == "cpu" and size is not None and size not in CPU_HEAD_SIZES:
+        sizes = ", ".join(map(str, CPU_HEAD_SIZES))
+        raise InputError(
+            "vllm.model", model,
+            f"a model whose head size vLLM's CPU attention takes ({sizes}); this one has {size}",
+        )  # fmt: skip
+
+
+def kv_dtype(config: dict[str, Any], args: list[str]) -> str:
+    """The KV element type vLLM will use: ``--kv-cache-dtype``, ``--dtype``, else the config's
+    (vLLM serves float32 checkpoints in bfloat16: "Downcasting torch.float32 to bfloat16")."""
+    names = {"bfloat16": "bf16", "float16": "fp16", "half": "fp16", "float32": "fp32",
+             "float": "fp32", "bf16": "bf16", "fp16": "fp16"}  # fmt: skip
+    cache = _flag(args, "--kv-cache-dtype")
+    if cache and cache.startswith("fp8"):
+        return "fp8"
+    wanted = _flag(args, "--dtype")
+    if wanted and wanted != "auto":
+        return names.get(wanted, "bf16")
+    text = config.get("text_config") or config
+    declared = str(text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or "")
+    return "fp16" if names.get(declared) == "fp16" else "bf16"
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    for i, arg in enumerate(args):
+        if arg == name and i + 1 < len(args):
+            return args[i + 1]
+        if arg.startswith(name + "="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def model_info(cfg: DeployConfig, path: Path) -> ModelInfo:
+    """Name, version, context and KV dtype of the served checkpoint."""
+    v = cfg.vllm
+    config = engine_model_config_json(str(path)) or {}
+    stamp = path / "pdx-checkpoint.json"
+    version = path.name
+    if stamp.is_file():
+        version = str(json.loads(stamp.read_text()).get("model_version", version))
+    limit = int((config.get("text_config") or config).get("max_position_embeddings") or 2048)
+    served = v.served_model_name or cfg.gateway.served_model_name or v.model.rstrip("/").split(
+        "/")[-1]  # fmt: skip
+    return ModelInfo(
+        path=str(path), served_name=served, version=version,
+        max_context_tokens=min(v.max_model_len or limit, limit), config=config,
+        kv_dtype=kv_dtype(config, [*v.args, *v.decode_args]),
+    )  # fmt: skip
+
+
+class VLLMEngines:
+    """The engine instances of one deployment, started and restarted by the supervisor."""
+
+    def __init__(self, cfg: DeployConfig, work_dir: Path, cache_dir: Path | None = None) -> None:
+        self.cfg = cfg
+        self.work_dir = work_dir
+        self.cache_dir = cache_dir or Path.home() / ".cache" / "pdx" / "engines"
+        self.env: VLLMEnv | None = None
+        self.device = "cpu"
+        self.model: ModelInfo | None = None
+        self.instances: dict[str, Instance] = {}
+
+    # --- set-up ------------------------------------------------------------------------
+
+    def prepare(self) -> None:
+        """Find the environment (unless fronting), the model, and every instance's ports."""
+        v = self.cfg.vllm
+        if not v.external:
+            self.env = discover(v.python)
+            self.device = _device(v.device, self.env)
+        else:  # instances you run: what vllm.device says (auto: a GPU, as most are)
+            self.device = "cuda" if v.device == "auto" else v.device
+        path = resolve_model(v, self.cache_dir)
+        self.model = model_info(self.cfg, path)
+        check_model_for_device(self.model.config, self.device, v.model)
+        if v.external:
+            for role, urls in (("prefill", v.prefill_urls), ("decode", v.decode_urls)):
+                for i, url in enumerate(urls):
+                    inst = Instance(role, i, "", 0, 0, external_url=url)  # type: ignore[arg-type]
+                    self.instances[inst.name] = inst
+            return
+        cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+        roles: list[tuple[Role, int]] = [("prefill", i) for i in range(self.cfg.prefill.count)]
+        roles += [("decode", i) for i in range(self.cfg.decode.count)]
+        for k, (role, i) in enumerate(roles):
+            self.instances[f"{role}-{i}"] = self._instance(role, i, k, cores)
+
+    def _instance(self, role: Role, i: int, k: int, cores: list[int]) -> Instance:
+        side = self.cfg.prefill if role == "prefill" else self.cfg.decode
+        v = self.cfg.vllm
+        port = side.port + i if side.port else free_port(side.host)
+        channel = v.side_channel_port + k if v.side_channel_port else free_port(side.host)
+        cpus: list[int] = []
+        if self.device == "cpu" and v.cpus_per_instance and cores:
+            n = v.cpus_per_instance
+            cpus = sorted({cores[(k * n + j) % len(cores)] for j in range(n)})
+        gpu = k % self.env.gpus if self.device == "cuda" and self.env and self.env.gpus else None
+        return Instance(role, i, side.host, port, channel, cpus, gpu)
+
+    def children_roles(self) -> list[tuple[str, int]]:
+        """(role, index) of every instance pdx starts (none when fronting)."""
+        if self.cfg.vllm.external:
+            return []
+        return [(inst.role, inst.index) for inst in self.instances.values()]
+
+    # --- one instance --------------------------------------------------------------------
+
+    def argv(self, inst: Instance) -> list[str]:
+        """The command that starts ``inst``."""
+        assert self.env is not None and self.model is not None
+        v = self.cfg.vllm
+        kv = {"kv_connector": v.kv_connector, "kv_role": _ROLE[inst.role],
+              "kv_buffer_device": self._buffer_device(),
+              "kv_load_failure_policy": v.kv_load_failure_policy}  # fmt: skip
+        argv = [self.env.python, "-m", MODULE, "--model", self.model.path,
+                "--served-model-name", self.model.served_name, "--host", inst.host,
+                "--port", str(inst.port), "--kv-transfer-config", json.dumps(kv),
+                "--max-model-len", str(self.model.max_context_tokens),
+                "--disable-uvicorn-access-log"]  # fmt: skip
+        if v.kv_cache_bytes:
+            argv += ["--kv-cache-memory-bytes", str(v.kv_cache_bytes)]
+        if v.block_size:
+            argv += ["--block-size", str(v.block_size)]
+        if v.max_num_seqs:
+            argv += ["--max-num-seqs", str(v.max_num_seqs)]
+        argv += [*v.args, *(v.prefill_args if inst.role == "prefill" else v.decode_args)]
+        netns = (self.cfg.prefill if inst.role == "prefill" else self.cfg.decode).netns
+        return ["ip", "netns", "exec", netns, *argv] if netns else argv
+
+    def _buffer_device(self) -> str:
+        chosen = self.cfg.vllm.kv_buffer_device
+        return self.device if chosen == "auto" else chosen
+
+    def environ(self, inst: Instance) -> dict[str, str]:
+        """What the instance's process gets on top of this process's environment."""
+        v = self.cfg.vllm
+        env = {
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": inst.host,
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(inst.side_channel_port),
+            "PDX_NIXL_PROGRESS_DELAY_US": str(v.nixl_progress_delay_us),
+            # The checkpoint is local: never reach a hub, never report usage.
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
+        tls = v.ucx_tls if v.ucx_tls != "auto" else ("tcp,self" if self.device == "cpu" else None)
+        if tls:
+            env["UCX_TLS"] = tls
+        if inst.cpus:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, inst.cpus))
+        if inst.gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = str(inst.gpu)
+        return {**env, **v.env}
+
+    async def spawn(self, child: ChildLike) -> None:
+        """Start (or restart) the instance of ``child``; fill ``child.info`` once it is ready."""
+        inst = self.instances[child.name]
+        if child.proc is not None:  # a restart: leftovers of the old process group go first
+            kill_group(child.proc.pid)
+        child.log_path = self.work_dir / f"{child.name}.log"
+        with child.log_path.open("ab") as log:
+            child.proc = await asyncio.create_subprocess_exec(
+                *self.argv(inst), stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL,
+                env={**os.environ, **self.environ(inst)}, start_new_session=True,
+            )  # fmt: skip
+        t0 = time.monotonic()
+        await wait_healthy(inst.url, child.proc, self.cfg.vllm.ready_timeout_s, child.log_path)
+        child.info = {**self.describe(inst), "pid": child.proc.pid,
+                      "ready_after_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+    def describe(self, inst: Instance) -> dict[str, Any]:
+        """The instance as ``pdx deploy --json`` lists it."""
+        assert self.model is not None
+        out: dict[str, Any] = {"name": inst.name, "engine": "vllm", "url": inst.url,
+                               "model_path": self.model.path,
+                               "external": bool(inst.external_url)}  # fmt: skip
+        if not inst.external_url:
+            out.update(host=inst.host, port=inst.port, cpus=inst.cpus, gpu=inst.gpu,
+                       nixl_side_channel=f"{inst.host}:{inst.side_channel_port}")  # fmt: skip
+            if inst.role == "prefill":  # where decode pulls the KV from (the KV link's end)
+                out["kv_endpoint"] = out["nixl_side_channel"]
+        return out
+
+    def model_dict(self) -> dict[str, Any]:
+        """``model`` of the endpoints JSON."""
+        assert self.model is not None
+        env = self.env.as_dict() if self.env else None
+        return {"engine": "vllm", "model": self.model.served_name, "model_path": self.model.path,
+                "model_version": self.model.version, "synthetic": False,
+                "max_context_tokens": self.model.max_context_tokens,
+                "kv_dtype": self.model.kv_dtype, "device": self.device,
+                "block_size": self.block_size, "environment": env}  # fmt: skip
+
+    @property
+    def block_size(self) -> int:
+        """The engine's KV block size in tokens (``vllm.block_size`` or vLLM's default)."""
+        from pdx.kv.engines import vllm_block_size
+
+        return vllm_block_size(self.cfg.vllm.block_size, "cpu" if self.device == "cpu" else "gpu")
+
+
+def _device(choice: str, env: VLLMEnv) -> str:
+    if choice == "auto":
+        return "cuda" if env.gpus else "cpu"
+    return choice
+
+
+def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
+    """Signal a process group this deployment started; False when it is already gone."""
+    try:
+        os.killpg(pgid, sig)
+    except (ProcessLookupError, PermissionError):
+        return False
+    return True
+
+
+async def wait_healthy(
+    url: str, proc: asyncio.subprocess.Process | None, timeout_s: float, log: Path | None = None
+) -> None:
+    """Poll ``url/health`` until 200; EngineStartError when ``proc`` exits or time runs out."""
+    import aiohttp
+
+    t0 = time.monotonic()
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
+        while time.monotonic() - t0 < timeout_s:
+            if proc is not None and proc.returncode is not None:
+                raise EngineStartError(
+                    f"{url} exited with {proc.returncode} before it was ready: {_tail(log)}"
+                )
+            with contextlib.suppress(aiohttp.ClientError, TimeoutError):
+                async with session.get(url + "/health") as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.5)
+    raise EngineStartError(f"{url} not healthy within {timeout_s:g} s: {_tail(log)}")
+
+
+def _tail(path: Path | None, lines: int = 3) -> str:
+    if path is None or not path.is_file():
+        return "(no log)"
+    text = [line for line in path.read_text(errors="replace").splitlines() if line.strip()]
+    return " | ".join(line[-200:] for line in text[-lines:]) or "(empty log)"

@@ -1,0 +1,303 @@
+"""pdx in front of a real vLLM prefill/decode pair (NixlConnector, KV over UCX/TCP).
+
+One pair for the whole module (about a minute to start on two cores; vLLM's compile is
+cached after the first start). Prompts are unique per test: decode keeps pulled KV in its
+prefix cache, and a repeated prompt would be served from there instead of over NIXL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+from aiohttp import web
+from typer.testing import CliRunner
+from vllm_helpers import metrics_text, post, unique_prompt, vllm_deployment
+
+from pdx.serving.engines.metrics import engine_counters, sample_sum
+from pdx.serving.supervisor import Deployment
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[Deployment]:
+    with vllm_deployment(["decode.max_batch=4", "decode.max_queue=2"]) as dep:
+        yield dep
+
+
+def _urls(dep: Deployment) -> tuple[str, str, str, str]:
+    ep = dep.endpoints()
+    return ep.gateway, ep.prefill[0]["url"], ep.decode[0]["url"], str(ep.model["model"])
+
+
+def _measure_kv_bytes(model_path: str, tokens: int) -> int:
+    """`pdx measure-kv --engine vllm` for this prompt length, as a user would run it."""
+    from pdx.cli.main import app
+
+    args = ["measure-kv", "--model-path", model_path, "--engine", "vllm", "--device", "cpu",
+            "--seq", str(tokens), "--codecs", "none", "--json"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    return int(json.loads(result.stdout)["requests"][0]["kv_bytes"])
+
+
+@pytest.mark.parametrize("length", [311, 128, 13])
+def test_greedy_through_pdx_and_nixl_equals_one_instance(pair: Deployment, length: int) -> None:
+    gw, prefill, decode, model = _urls(pair)
+    prompt = unique_prompt(length, seed=1)
+    # The reference: one vLLM instance computing the whole prompt by itself.
+    ref_body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    status, ref = post(prefill + "/v1/completions", ref_body)
+    assert status == 200, ref
+    before = engine_counters(metrics_text(decode))
+    body = {"prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "pdx_route": "disaggregated"}  # fmt: skip
+    status, out = post(gw + "/v1/completions", body)
+    assert status == 200, out
+    after = engine_counters(metrics_text(decode))
+    pdx = out["pdx"]
+    assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert pdx["route"] == "disaggregated" and pdx["transfer_outcome"] == "ok", pdx
+    assert not pdx["degraded"] and pdx["remote_tokens"] == length
+    # The KV really moved: decode's p2p counter rose by the prompt, NIXL moved whole blocks,
+    # exactly what measure-kv predicts for vLLM and what the gateway reported.
+    assert after["p2p_cached_tokens"] - before["p2p_cached_tokens"] == length
+    moved = after["nixl_bytes_transferred"] - before["nixl_bytes_transferred"]
+    assert moved == _measure_kv_bytes(pair.endpoints().model["model_path"], length)
+    assert moved == pdx["kv_bytes"] and after["nixl_transfers"] - before["nixl_transfers"] == 1
+
+
+def test_streaming_matches_and_local_route_recomputes(pair: Deployment) -> None:
+    gw, _, decode, _ = _urls(pair)
+    prompt = unique_prompt(200, seed=2)
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True, "pdx_route": "disaggregated"}  # fmt: skip
+    _, whole = post(gw + "/v1/completions", body)
+    streamed = asyncio.run(_stream(gw, {**body, "prompt": prompt, "stream": True}))
+    assert streamed["token_ids"] == whole["choices"][0]["token_ids"]
+    assert streamed["pdx"]["route"] == "disaggregated"
+    before = engine_counters(metrics_text(decode))
+    _, local = post(gw + "/v1/completions", {**body, "prompt": unique_prompt(200, 3),
+                                             "pdx_route": "local"})  # fmt: skip
+    after = engine_counters(metrics_text(decode))
+    assert local["pdx"]["route"] == "local" and local["pdx"]["kv_bytes"] == 0
+    assert local["pdx"]["timings_ms"]["local_prefill"] > 0
+    assert after["p2p_cached_tokens"] == before["p2p_cached_tokens"]  # nothing pulled
+
+
+async def _stream(gw: str, body: dict[str, Any]) -> dict[str, Any]:
+    tokens: list[int] = []
+    pdx: dict[str, Any] = {}
+    async with aiohttp.ClientSession() as s, s.post(gw + "/v1/completions", json=body) as r:
+        assert r.status == 200
+        async for line in r.content:
+            text = line.decode().strip()
+            if not text.startswith("data: {"):
+                continue
+            data = json.loads(text[6:])
+            for c in data.get("choices") or []:
+                tokens += c.get("token_ids") or []
+            pdx = data.get("pdx") or pdx
+    return {"token_ids": tokens, "pdx": pdx}
+
+
+def test_kv_of_another_prompt_changes_the_output(pair: Deployment) -> None:
+    """The output depends on the pulled KV: decode given prompt B's blocks for prompt C."""
+    _, prefill, decode, model = _urls(pair)
+    b, c = unique_prompt(300, 4), unique_prompt(300, 5)
+    step1 = {"model": model, "prompt": b, "max_tokens": 1, "ignore_eos": True,
+             "kv_transfer_params": {"do_remote_decode": True}}  # fmt: skip
+    _, pre_b = post(prefill + "/v1/completions", step1)
+    body = {"model": model, "max_tokens": 16, "temperature": 0, "ignore_eos": True,
+            "return_token_ids": True}  # fmt: skip
+    _, ref_c = post(prefill + "/v1/completions", {**body, "prompt": c})
+    wrong = {**body, "prompt": c, "kv_transfer_params": pre_b["kv_transfer_params"]}
+    _, mixed = post(decode + "/v1/completions", wrong)
+    assert mixed["choices"][0]["token_ids"] != ref_c["choices"][0]["token_ids"]
+
+
+def test_metrics_merge_the_engines_own_series(pair: Deployment) -> None:
+    gw, _, _, _ = _urls(pair)
+    text = metrics_text(gw)
+    assert "pdx_gateway_requests_total" in text and "pdx:time_to_first_token_seconds" in text
+    for name in ("prefill-0", "decode-0"):
+        assert sample_sum(text, "vllm:prompt_tokens_total", pdx_instance=name) >= 0
+        assert f'pdx_instance="{name}"' in text
+    assert sample_sum(text, "vllm:nixl_bytes_transferred_sum", pdx_instance="decode-0") > 0
+
+
+def test_deploy_json_lists_each_instance(pair: Deployment) -> None:
+    ep = pair.endpoints()
+    assert ep.model["engine"] == "vllm" and os.path.isfile(f"{ep.model['model_path']}/config.json")
+    for inst in [*ep.prefill, *ep.decode]:
+        assert inst["url"].startswith("http://127.0.0.1:") and inst["pid"] > 0
+        assert inst["model_path"] == ep.model["model_path"]
+        assert metrics_text(inst["url"]).count("vllm:") > 10  # its /metrics is the engine's
+    assert ep.prefill[0]["kv_endpoint"] == ep.prefill[0]["nixl_side_channel"]
+
+
+async def _hold_streams(gw: str, n: int) -> tuple[list[int], list[Any]]:
+    """Open ``n`` long streams at once; statuses, and the open responses (closed by the caller)."""
+    session = aiohttp.ClientSession()
+    body = {"prompt": unique_prompt(40, 6), "max_tokens": 900, "ignore_eos": True,
+            "stream": True, "pdx_route": "local"}  # fmt: skip
+    resps = await asyncio.gather(*(session.post(gw + "/v1/completions", json=body)
+                                   for _ in range(n)))  # fmt: skip
+    return [r.status for r in resps], [session, *resps]
+
+
+def test_no_capacity_is_429_and_a_client_leaving_aborts_in_vllm(pair: Deployment) -> None:
+    gw, _, decode, _ = _urls(pair)
+
+    async def run() -> list[int]:
+        statuses, held = await _hold_streams(gw, 7)  # capacity: max_batch 4 + max_queue 2
+        session, resps = held[0], held[1:]
+        for r in resps:
+            r.close()
+        await session.close()
+        return statuses
+
+    statuses = asyncio.run(run())
+    assert Counter(statuses) == Counter({200: 6, 429: 1}), statuses
+    t0 = time.monotonic()  # the closed streams are aborted inside vLLM, not run to the end
+    while engine_counters(metrics_text(decode))["requests_running"] > 0:
+        assert time.monotonic() - t0 < 10, "vLLM kept generating for clients that left"
+        time.sleep(0.2)
+
+
+@pytest.fixture
+async def cut_side_channel(pair: Deployment) -> AsyncIterator[str]:
+    """A relay in front of prefill that sends decode to a NIXL side channel nobody listens on."""
+    prefill = pair.endpoints().prefill[0]["url"]
+
+    async def relay(request: web.Request) -> web.Response:
+        body = await request.json()
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(prefill + "/v1/completions", json=body) as r,
+        ):
+            data = await r.json()
+        params = data.get("kv_transfer_params") or {}
+        params.update(remote_port=9, remote_engine_id="unreachable-prefill")
+        return web.json_response(data)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", relay)
+    app.router.add_get("/health", lambda _: web.json_response({}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+async def test_a_failed_kv_load_is_recomputed_and_labelled(
+    pair: Deployment, cut_side_channel: str
+) -> None:
+    from pdx.serving.backends.tokenizer import ByteTokenizer
+    from pdx.serving.deploy_config import load_deploy_config
+    from pdx.serving.gateway.engine_app import build_engine_gateway
+
+    _, _, decode, model = _urls(pair)
+    cfg = load_deploy_config(dotted=["engine=vllm", f"vllm.decode_urls=[{decode}]"])
+    gw = build_engine_gateway(
+        cfg, [("prefill-0", cut_side_channel)], [("decode-0", decode)], tokenizer=ByteTokenizer(),
+        max_context_tokens=2048, model_name=model, served_model=model,
+        kv_bytes_for=lambda n: 0, vocab_size=260,
+    )  # fmt: skip
+    await gw.start("127.0.0.1", 0)
+    try:
+        prompt = unique_prompt(300, 7)
+        body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "pdx_route": "disaggregated"}  # fmt: skip
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"http://127.0.0.1:{gw.port}/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                out = await r.json()
+            local = {**body, "pdx_route": "local", "prompt": prompt}
+            async with s.post(f"http://127.0.0.1:{gw.port}/v1/completions", json=local) as r:
+                ref = await r.json()
+        pdx = out["pdx"]
+        assert pdx["degraded"] and pdx["degrade_reason"].startswith("kv_load_failed")
+        assert pdx["route"] == "local" and pdx["transfer_outcome"] == "kv_load_failed"
+        assert pdx["retries"] == 1 and pdx["kv_bytes"] == 0
+        assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+        text = (await gw.prom(None)).text or ""  # type: ignore[arg-type]
+        assert sample_sum(text, "pdx_gateway_kv_transfers_total", outcome="kv_load_failed") == 1
+    finally:
+        await gw.stop()
+
+
+def test_prefill_killed_mid_run_degrades_then_recovers(pair: Deployment) -> None:
+    """SIGKILL the prefill instance (its whole process group) under load: nothing fails."""
+    gw, _, _, _ = _urls(pair)
+    child = next(c for c in pair.children if c.name == "prefill-0")
+    restarts = child.restarts
+    before = metrics_text(gw)
+    outcomes = asyncio.run(_load_with_kill(gw, child.info["pid"], seconds=12.0))
+    assert outcomes["failed"] == 0, outcomes
+    assert outcomes["degraded"] > 0 and outcomes["disaggregated"] > 0, outcomes
+    after = metrics_text(gw)
+    counted = sum(
+        sample_sum(after, "pdx_gateway_degradations_total", reason=r)
+        - sample_sum(before, "pdx_gateway_degradations_total", reason=r)
+        for r in ("prefill_unavailable", "prefill_failed", "kv_load_failed", "prefill_timeout")
+    )
+    assert counted == outcomes["degraded"]
+    # The supervisor restarts it on the same ports; disaggregated requests come back.
+    t0 = time.monotonic()
+    while True:
+        status, out = post(gw + "/v1/completions", {"prompt": unique_prompt(150, 8 + int(
+            time.monotonic())), "max_tokens": 2, "pdx_route": "disaggregated"})  # fmt: skip
+        if status == 200 and out["pdx"]["transfer_outcome"] == "ok":
+            break
+        assert status == 200, out
+        assert time.monotonic() - t0 < 240, "prefill did not come back"
+        time.sleep(1.0)
+    assert child.restarts == restarts + 1
+    print(f"prefill back {time.monotonic() - t0:.1f} s after the load ended; {outcomes}")
+
+
+async def _load_with_kill(gw: str, pid: int, seconds: float) -> dict[str, int]:
+    """Two closed-loop users (bounded in time and count); the kill lands 2 s in."""
+    counts: Counter[str] = Counter()
+    deadline = time.monotonic() + seconds
+    seq = iter(range(10_000))
+
+    async def user(u: int) -> None:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=60)) as s:
+            while time.monotonic() < deadline and counts["sent"] < 400:
+                counts["sent"] += 1
+                body = {"prompt": unique_prompt(150, 1000 + next(seq)), "max_tokens": 4,
+                        "ignore_eos": True, "pdx_route": "disaggregated"}  # fmt: skip
+                t0 = time.monotonic()
+                try:
+                    async with s.post(gw + "/v1/completions", json=body) as r:
+                        data = await r.json()
+                except TimeoutError:
+                    counts["failed"] += 1
+                    print(f"request hung {time.monotonic() - t0:.1f} s")
+                    continue
+                if r.status != 200:
+                    counts["failed"] += 1
+                    continue
+                counts["degraded" if data["pdx"]["degraded"] else "disaggregated"] += 1
+
+    async def kill() -> None:
+        await asyncio.sleep(2.0)
+        os.killpg(pid, signal.SIGKILL)
+
+    await asyncio.gather(user(0), user(1), kill())
+    return {k: counts[k] for k in ("sent", "failed", "degraded", "disaggregated")}

@@ -1,0 +1,227 @@
+"""The vLLM engine path without a running engine: config, command line, protocol parsing,
+metrics merging, KV sizing, the exported checkpoint and the NIXL idle hook."""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdx.errors import ConfigError, InputError
+from pdx.serving.deploy_config import load_deploy_config
+from pdx.serving.engines import nixl_progress
+from pdx.serving.engines.client import _parse_event, sampling_body, token_logprobs
+from pdx.serving.engines.env import EngineUnavailable, VLLMEnv, check
+from pdx.serving.engines.metrics import INSTANCE_LABEL, engine_counters, merge, sample_sum
+from pdx.serving.engines.vllm import (
+    CPU_HEAD_SIZES,
+    VLLMEngines,
+    check_model_for_device,
+    head_size,
+    kv_dtype,
+)
+from pdx.serving.gateway.engine_app import kv_sizer
+from pdx.serving.gateway.protocol import CompletionRequest
+
+
+def test_engine_is_pdx_by_default_and_vllm_keys_validate() -> None:
+    cfg = load_deploy_config()
+    assert cfg.engine == "pdx" and cfg.vllm.kv_connector == "NixlConnector"
+    cfg = load_deploy_config(dotted=["engine=vllm", "vllm.decode_urls=[http://127.0.0.1:9/]"])
+    assert cfg.vllm.external and cfg.vllm.decode_urls == ["http://127.0.0.1:9"]
+
+
+@pytest.mark.parametrize(
+    ("sets", "needle"),
+    [
+        (["engine=sglang"], "engine"),
+        (["engine=vllm", "vllm.decode_urls=[127.0.0.1:9]"], "vllm.decode_urls"),
+        (["vllm.decode_urls=[http://127.0.0.1:9]"], "need engine: vllm"),
+        (["engine=vllm", "vllm.prefill_urls=[http://127.0.0.1:9]"], "at least one decode"),
+        (["engine=vllm", "vllm.kv_load_failure_policy=retry"], "vllm.kv_load_failure_policy"),
+        (["engine=vllm", "vllm.colour=red"], "vllm.colour: unknown key"),
+    ],
+)
+def test_bad_engine_config_names_the_field(sets: list[str], needle: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_deploy_config(dotted=sets)
+    assert needle in str(err.value)
+
+
+def test_cpu_attention_head_sizes_are_checked_before_start() -> None:
+    from pdx.serving.backends.presets import tiny_config_json
+
+    assert head_size(tiny_config_json("tiny-llama")) == 16
+    assert head_size(tiny_config_json("tiny-llama-mha")) in CPU_HEAD_SIZES
+    with pytest.raises(InputError, match="head size"):
+        check_model_for_device(tiny_config_json("tiny-llama"), "cpu", "tiny-llama")
+    check_model_for_device(tiny_config_json("tiny-llama"), "cuda", "tiny-llama")  # GPU kernels
+
+
+def test_kv_dtype_follows_vllm() -> None:
+    assert kv_dtype({"dtype": "float32"}, []) == "bf16"  # vLLM downcasts float32 checkpoints
+    assert kv_dtype({"dtype": "float16"}, []) == "fp16"
+    assert kv_dtype({"dtype": "bfloat16"}, ["--dtype", "float32"]) == "fp32"
+    assert kv_dtype({}, ["--kv-cache-dtype=fp8_e4m3"]) == "fp8"
+
+
+def _engines(tmp_path: Path, sets: list[str]) -> VLLMEngines:
+    cfg = load_deploy_config(dotted=["engine=vllm", *sets])
+    engines = VLLMEngines(cfg, tmp_path, cache_dir=tmp_path / "models")
+    engines.env = VLLMEnv("/opt/vllm/bin/python", "0.32.0", "1.5.1", "2.13.0", True, 0)
+    from pdx.serving.engines.vllm import model_info, resolve_model
+
+    engines.model = model_info(cfg, resolve_model(cfg.vllm, engines.cache_dir))
+    cores = [0, 1]
+    for k, (role, i) in enumerate([("prefill", 0), ("decode", 0), ("decode", 1)]):
+        engines.instances[f"{role}-{i}"] = engines._instance(role, i, k, cores)  # type: ignore[arg-type]
+    return engines
+
+
+def test_command_line_and_environment_of_each_instance(tmp_path: Path) -> None:
+    engines = _engines(
+        tmp_path, ["vllm.args=[--seed, '7']", "vllm.decode_args=[--max-num-seqs, '4']"]
+    )
+    p, d0, d1 = (
+        engines.instances["prefill-0"],
+        engines.instances["decode-0"],
+        engines.instances["decode-1"],
+    )
+    argv = engines.argv(p)
+    assert argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
+    kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
+    assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
+                  "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"}  # fmt: skip
+    assert "--seed" in argv and "--max-num-seqs" not in argv
+    assert json.loads(engines.argv(d0)[engines.argv(d0).index("--kv-transfer-config") + 1])[
+        "kv_role"] == "kv_consumer"  # fmt: skip
+    assert "--max-num-seqs" in engines.argv(d1)
+    env = engines.environ(p)
+    assert env["UCX_TLS"] == "tcp,self" and env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
+    assert env["PDX_NIXL_PROGRESS_DELAY_US"] == "10000" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["VLLM_NO_USAGE_STATS"] == "1"
+    # One core each, in turn; every instance its own side channel and HTTP port.
+    assert [engines.environ(i)["VLLM_CPU_OMP_THREADS_BIND"] for i in (p, d0, d1)] == ["0", "1", "0"]
+    assert len({i.side_channel_port for i in (p, d0, d1)}) == 3
+    assert len({i.port for i in (p, d0, d1)}) == 3
+    info = engines.describe(p)
+    assert info["url"] == f"http://127.0.0.1:{p.port}" and info["kv_endpoint"].startswith(
+        "127.0.0.1:"
+    )
+    assert Path(info["model_path"], "config.json").is_file()
+
+
+def test_exported_checkpoint_tokenizes_like_the_byte_tokenizer(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from pdx.serving.backends.tokenizer import ByteTokenizer, HFTokenizer
+    from pdx.serving.engines.checkpoint import export_tiny_checkpoint
+
+    path = export_tiny_checkpoint(tmp_path, "tiny-llama-mha")
+    assert export_tiny_checkpoint(tmp_path, "tiny-llama-mha") == path  # reused, not rewritten
+    tok = HFTokenizer(AutoTokenizer.from_pretrained(path, local_files_only=True))
+    text = "Grüße, <|user|>\n  世界!"
+    assert tok.encode(text) == ByteTokenizer().encode(text)
+    assert tok.decode(ByteTokenizer().encode(text)) == text
+    msgs = [{"role": "user", "content": "hi"}]
+    assert tok.apply_chat_template(msgs) == ByteTokenizer().apply_chat_template(msgs)
+    config = json.loads((path / "config.json").read_text())
+    assert config["head_dim"] == 32 and config["num_hidden_layers"] == 4
+
+
+def test_kv_bytes_per_request_are_measure_kv_s_vllm_rule() -> None:
+    from pdx.kv.engines import vllm_kv_bytes
+    from pdx.serving.backends.presets import tiny_config_json
+
+    config = tiny_config_json("tiny-llama-mha")
+    size = kv_sizer(config, 128, "cpu", "bf16")
+    # 4 layers x (K + V) x 4 heads x 32 x 2 B = 2,048 B per token, whole blocks of 128.
+    assert size(311) == 3 * 128 * 2048 == vllm_kv_bytes(config, 311, 128, device="cpu").total_bytes
+    assert size(13) == 128 * 2048 and size(128) == 128 * 2048 and size(0) == 0
+
+
+def _req(**kw: Any) -> CompletionRequest:
+    base: dict[str, Any] = {"prompt_ids": [5, 6], "max_tokens": 4, "temperature": 0.0,
+                            "seed": 1, "stream": False, "return_token_ids": True,
+                            "route": "auto", "user": None, "ignore_eos": False, "model": "m",
+                            "kv_codec": ""}  # fmt: skip
+    return CompletionRequest(**{**base, **kw})
+
+
+def test_sampling_parameters_pass_through_in_vllm_names() -> None:
+    body = sampling_body(_req(top_k=0, stop=["\n"], logit_bias={7: -100.0}, logprobs=2), 2**64 - 1)
+    assert body["top_k"] == -1 and body["stop"] == ["\n"] and body["logit_bias"] == {"7": -100.0}
+    assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True
+    assert 0 <= body["seed"] < 2**63 and body["max_tokens"] == 4
+    assert "logprobs" not in sampling_body(_req(), 1)
+
+
+def test_stream_events_parse() -> None:
+    line = b'data: {"choices":[{"index":0,"token_ids":[9,10],"finish_reason":null}]}\n'
+    chunk = _parse_event(line)
+    assert chunk is not None and chunk.token_ids == [9, 10] and chunk.finish_reason is None
+    last = _parse_event(b'data: {"choices":[],"usage":{"prompt_tokens":3}}')
+    assert last is not None and last.usage == {"prompt_tokens": 3}
+    assert _parse_event(b"\n") is None and _parse_event(b": keep-alive") is None
+    from pdx.serving.engines.client import EngineHTTPError
+
+    with pytest.raises(EngineHTTPError):  # vLLM reports a failure inside a started stream
+        _parse_event(b'data: {"error": {"message": "KV load failed", "code": 500}}')
+    lps = token_logprobs({"tokens": ["token_id:9"], "token_logprobs": [-0.5],
+                          "top_logprobs": [{"token_id:9": -0.5, "token_id:4": -1.5}]})  # fmt: skip
+    assert lps == [(9, -0.5, [9, 4], [-0.5, -1.5])]
+
+
+PROM = """# HELP vllm:nixl_bytes_transferred Bytes per NIXL transfer.
+# TYPE vllm:nixl_bytes_transferred histogram
+vllm:nixl_bytes_transferred_bucket{engine="0",le="+Inf"} 2.0
+vllm:nixl_bytes_transferred_count{engine="0"} 2.0
+vllm:nixl_bytes_transferred_sum{engine="0"} 1048576.0
+# HELP vllm:prompt_tokens_cached_by_source Cached prompt tokens by source.
+# TYPE vllm:prompt_tokens_cached_by_source counter
+vllm:prompt_tokens_cached_by_source_total{engine="0",source="p2p"} 311.0
+vllm:prompt_tokens_cached_by_source_total{engine="0",source="device"} 5.0
+"""
+
+
+def test_engine_metrics_are_merged_with_an_instance_label() -> None:
+    text = merge([("prefill-0", PROM), ("decode-0", PROM.replace("311.0", "622.0"))]).decode()
+    p2p = [line for line in text.splitlines() if 'source="p2p"' in line]
+    assert len(p2p) == 2 and any(f'{INSTANCE_LABEL}="decode-0"' in x and x.endswith(" 622.0")
+                                 for x in p2p)  # fmt: skip
+    assert text.count("# TYPE vllm:nixl_bytes_transferred histogram") == 1
+    assert sample_sum(text, "vllm:nixl_bytes_transferred_sum", pdx_instance="decode-0") == 1048576
+    counters = engine_counters(PROM)
+    assert counters["p2p_cached_tokens"] == 311 and counters["nixl_transfers"] == 2
+    assert merge([("x", "not prometheus {{{")]) == b""
+
+
+def test_nixl_hook_sets_the_progress_delay_only_when_asked() -> None:
+    made: list[tuple[str, int]] = []
+
+    class Config:
+        pthrDelay = 0  # NIXL's name
+
+    def agent(name: str, cfg: Config) -> str:
+        made.append((name, cfg.pthrDelay))
+        return name
+
+    api = types.ModuleType("nixl_cu12._api")
+    api.nixlBind = types.SimpleNamespace(nixlAgent=agent, other=1)  # type: ignore[attr-defined]
+    assert not nixl_progress.patch_api(api, 0)  # no delay asked: NIXL unchanged
+    assert nixl_progress.patch_api(api, 10_000)
+    assert not nixl_progress.patch_api(api, 10_000)  # once
+    assert api.nixlBind.nixlAgent("a", Config()) == "a" and api.nixlBind.other == 1
+    assert made == [("a", 10_000)]
+
+
+def test_a_missing_engine_environment_says_why(tmp_path: Path) -> None:
+    with pytest.raises(EngineUnavailable, match="make vllm"):
+        check(tmp_path / "no-such-python")
+    # pdx's own interpreter is a real Python without vLLM in it.
+    with pytest.raises(EngineUnavailable, match="vLLM is not installed"):
+        check(Path(sys.executable))

@@ -1,0 +1,93 @@
+"""Shared by the tests that run real vLLM instances: skip reasons, one pair per module.
+
+A module asks for :func:`vllm_deployment` once (module-scoped fixture): ``pdx deploy``'s
+Deployment with ``engine: vllm``, serving from a thread of its own so tests can block on it.
+Without the vLLM environment (``make vllm``) every such test skips with the reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdx.serving.deploy_config import load_deploy_config
+from pdx.serving.engines.env import VENV_NAME, EngineUnavailable, discover
+from pdx.serving.supervisor import Deployment
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# Enough for every test of a module: 128 MiB of KV per instance, one core each.
+PAIR_SETTINGS = ["engine=vllm", "gateway.port=0", "vllm.kv_cache_bytes=134217728",
+                 "vllm.ready_timeout_s=420", "router.local_prefill_max_tokens=64"]  # fmt: skip
+
+
+def engine_or_skip() -> None:
+    """Skip the calling test (or fixture) when no working vLLM environment exists."""
+    try:
+        discover()
+    except EngineUnavailable as exc:
+        why = ROOT / f"{VENV_NAME}.skipped"
+        built = f" (make test: {why.read_text().strip()})" if why.is_file() else ""
+        pytest.skip(f"vLLM environment unavailable: {exc}{built}")
+
+
+@contextlib.contextmanager
+def vllm_deployment(overrides: list[str]) -> Iterator[Deployment]:
+    """A started vLLM pair with its gateway; every process stopped by handle on exit."""
+    engine_or_skip()
+    loop = asyncio.new_event_loop()
+    dep = Deployment(load_deploy_config(dotted=[*PAIR_SETTINGS, *overrides]))
+    runner = ThreadPoolExecutor(1)
+    try:
+        loop.run_until_complete(dep.start())
+        stop = asyncio.Event()
+        serving = runner.submit(loop.run_until_complete, stop.wait())
+        try:
+            yield dep
+        finally:
+            loop.call_soon_threadsafe(stop.set)
+            serving.result(30)
+    finally:
+        loop.run_until_complete(dep.stop())
+        loop.close()
+        runner.shutdown()
+
+
+_used: set[int] = set()
+
+
+def unique_prompt(length: int, seed: int) -> list[int]:
+    """Token ids no other request of the session used (decode caches pulled KV by prompt)."""
+    rng = random.Random(seed * 1_000_003 + length)
+    while True:
+        ids = [rng.randint(4, 259) for _ in range(length)]
+        if hash(tuple(ids[:8])) not in _used:
+            _used.add(hash(tuple(ids[:8])))
+            return ids
+
+
+def post(url: str, body: dict[str, Any], timeout_s: float = 60.0) -> tuple[int, dict[str, Any]]:
+    """POST JSON, return (status, body) without raising on an error status."""
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout_s) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def metrics_text(url: str) -> str:
+    """An instance's (or the gateway's) Prometheus text."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        return str(r.read().decode())
