@@ -63,27 +63,53 @@ def read_yaml(path: Path | str) -> dict[str, Any]:
     return data
 
 
-def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
-    """Set ``a.b[2].c`` style paths in nested dicts/lists, creating dicts as needed."""
+def yaml_value(field: str, text: str) -> Any:
+    """One plain YAML value (number, bool, list, ...); a tag or a syntax error is an InputError.
+
+    ``safe_load`` already refuses ``!!python/object``; this turns its exception into the one-line
+    error every CLI prints, instead of a traceback.
+    """
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        reason = str(getattr(exc, "problem", None) or "not valid YAML").strip()
+        raise InputError(field, text, f"a plain YAML value ({reason})") from None
+
+
+def _dotted_parts(dotted: str) -> list[str | int]:
     parts: list[str | int] = []
     for piece in dotted.split("."):
         name, _, rest = piece.partition("[")
         if name:
             parts.append(name)
+        elif not rest:
+            raise InputError("--set", dotted, "a dotted path such as kv.streams or a.b[0].c")
         while rest:
-            idx, _, rest = rest.partition("]")
+            idx, sep, rest = rest.partition("]")
+            if not sep or not idx.strip().isdigit():
+                raise InputError("--set", dotted, "list indexes as [N] with N a whole number")
             parts.append(int(idx))
             rest = rest.lstrip("[")
+    if not parts:
+        raise InputError("--set", dotted, "a dotted path such as kv.streams")
+    return parts
+
+
+def set_dotted(data: dict[str, Any], dotted: str, value: Any) -> None:
+    """Set ``a.b[2].c`` style paths in nested dicts/lists, creating dicts as needed."""
+    parts = _dotted_parts(dotted)
     node: Any = data
-    for key, nxt in itertools.pairwise(parts):
-        if isinstance(key, int):
-            node = node[key]
-        else:
-            if key not in node or node[key] is None:
-                node[key] = [] if isinstance(nxt, int) else {}
-            node = node[key]
-    last = parts[-1]
-    node[last] = value
+    try:
+        for key, nxt in itertools.pairwise(parts):
+            if isinstance(key, int):
+                node = node[key]
+            else:
+                if key not in node or node[key] is None:
+                    node[key] = [] if isinstance(nxt, int) else {}
+                node = node[key]
+        node[parts[-1]] = value
+    except (IndexError, KeyError, TypeError):
+        raise InputError("--set", dotted, "a path that exists in the configuration") from None
 
 
 def parse_override(text: str) -> tuple[str, Any]:
@@ -91,7 +117,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     key, sep, raw = text.partition("=")
     if not sep or not key:
         raise InputError("--set", text, "key.path=value")
-    return key.strip(), yaml.safe_load(raw)
+    return key.strip(), yaml_value(f"--set {key.strip()}", raw)
 
 
 def env_overrides(prefix: str) -> dict[str, Any]:
@@ -99,7 +125,7 @@ def env_overrides(prefix: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, raw in os.environ.items():
         if name.startswith(prefix):
-            out[name[len(prefix) :].lower()] = yaml.safe_load(raw)
+            out[name[len(prefix) :].lower()] = yaml_value(name, raw)
     return out
 
 

@@ -180,6 +180,8 @@ def init_certs(
 
     Every certificate is valid for localhost, 127.0.0.1, ::1, its own name and ``hosts``
     (addresses or DNS names other sites dial, e.g. a store's address in another namespace).
+    The CA's private key goes to :func:`ca_key_dir` (``DIR.ca-key/``), never into the
+    directory handed to services: they get the CA certificate and their own key only.
     """
     d = Path(cert_dir)
     if d.exists() and (d / f"{CA_NAME}.pem").exists():
@@ -190,8 +192,10 @@ def init_certs(
         if not n or "/" in n or n == CA_NAME:
             raise InputError("--name", n, f"a plain service name other than {CA_NAME!r}")
     d.mkdir(parents=True, exist_ok=True)
+    keys = ca_key_dir(d)
+    keys.mkdir(mode=0o700, parents=True, exist_ok=True)
     ca_key, ca_cert = _make_ca(days)
-    written = [d / f"{CA_NAME}.pem", d / f"{CA_NAME}.key"]
+    written = [d / f"{CA_NAME}.pem", keys / f"{CA_NAME}.key"]
     _write_cert(written[0], ca_cert)
     _write_key(written[1], ca_key)
     for n in names:
@@ -200,6 +204,12 @@ def init_certs(
         _write_key(d / f"{n}.key", key)
         written += [d / f"{n}.pem", d / f"{n}.key"]
     return written
+
+
+def ca_key_dir(cert_dir: Path | str) -> Path:
+    """Where :func:`init_certs` keeps the CA's private key: a sibling of ``cert_dir``."""
+    d = Path(cert_dir)
+    return d.parent / f"{d.name}.ca-key"
 
 
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:

@@ -87,7 +87,11 @@ async def start_deploy(
     proxies = endpoints.get("proxies") or []
     if needs_proxy and not proxies:
         raise MeasurementError("pdx deploy started no KV-link proxy (kv.via_proxy)")
-    client = ControlClient(proxies[0]["control"]) if proxies else None
+    client = (
+        ControlClient(proxies[0]["control"], token=proxies[0].get("control_token"))
+        if proxies
+        else None
+    )
     info = {
         "kind": "deploy",
         "deploy": target.deploy,

@@ -100,7 +100,10 @@ def _render_endpoints(con: Any, ep: dict[str, Any]) -> None:
         table.add_row(d["name"], str(d["pid"]), str(d["port"]), "-")
     con.print(table)
     for proxy in ep["proxies"]:
-        con.print(f"kv proxy {proxy['listen']} -> {proxy['upstream']}  control {proxy['control']}")
+        con.print(
+            f"kv proxy {proxy['listen']} -> {proxy['upstream']}  control {proxy['control']}"
+            f"  token {proxy['control_token']}"
+        )
     con.print(f"mTLS     {ep['tls_dir'] or 'off'}")
 
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,11 @@ def proxy_cmd(
         "both", "--direction", help="both, upstream (client→server) or downstream."
     ),
     api: str | None = typer.Option(None, "--api", help="Serve the control API on HOST:PORT."),
+    api_token: str | None = typer.Option(
+        None,
+        "--api-token",
+        help="Require this bearer token on the control API ('generate': a random one, printed).",
+    ),
     timeline: Path | None = typer.Option(
         None, "--timeline", help="YAML fault timeline to run from start."
     ),
@@ -95,6 +102,7 @@ def proxy_cmd(
         loss=loss,
         direction=direction,
         api=parse_hostport(api, "--api") if api else None,
+        api_token=secrets.token_urlsafe(16) if api_token == "generate" else api_token,
         seed=seed,
     )
     toxics_from_options(opts)  # validate before binding anything
@@ -105,6 +113,8 @@ def proxy_cmd(
     def ready(info: dict[str, Any]) -> None:
         host, port = info["listen"]
         api_text = f"; control API {info['api']}" if info["api"] else ""
+        if info["api"] and opts.api_token:
+            api_text += f" (bearer token {opts.api_token})"
         mode = "udp" if udp else "tcp"
         err_console().print(
             f"listening on {host}:{port} ({mode}) → {upstream}{api_text}", soft_wrap=True
@@ -145,20 +155,22 @@ def _render_stats(console: Any, stats: dict[str, Any]) -> None:
 
 # -- control client --------------------------------------------------------------------------
 def _client(api: str) -> Any:
+    """A client of a running proxy's API; its bearer token, if it has one, comes from
+    ``PDX_FAULTS_API_TOKEN``."""
     from pdx.faults.client import ControlClient
 
-    return ControlClient(api)
+    return ControlClient(api, token=os.environ.get("PDX_FAULTS_API_TOKEN") or None)
 
 
 def _parse_assignments(pairs: list[str]) -> dict[str, Any]:
-    import yaml
+    from pdx.config import yaml_value
 
     out: dict[str, Any] = {}
     for pair in pairs:
         key, sep, raw = pair.partition("=")
         if not sep or not key:
             raise InputError("attribute", pair, "key=value, e.g. latency_ms=25")
-        out[key.strip()] = yaml.safe_load(raw)
+        out[key.strip()] = yaml_value(key.strip(), raw)
     return out
 
 

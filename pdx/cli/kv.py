@@ -153,10 +153,15 @@ def certs_init(
 ) -> None:
     """Create a private CA and one certificate + key per service (for local and test use)."""
     from pdx.cli.output import emit
-    from pdx.tls import init_certs
+    from pdx.tls import ca_key_dir, init_certs
 
     files = init_certs(directory, names, days=days, hosts=hosts)
-    data = {"dir": str(directory), "files": [p.name for p in files]}
+    keys = ca_key_dir(directory)
+    data = {
+        "dir": str(directory),
+        "files": [p.name for p in files if p.parent != keys],
+        "ca_key": str(keys / "ca.key"),
+    }
     emit(data, as_json=as_json, render=_render_certs)
 
 
@@ -164,3 +169,4 @@ def _render_certs(con: Any, d: dict[str, Any]) -> None:
     con.print(f"wrote {len(d['files'])} files to {d['dir']}:")
     for name in d["files"]:
         con.print(f"  {name}")
+    con.print(f"the CA's key is apart, in {d['ca_key']} (give services only {d['dir']})")

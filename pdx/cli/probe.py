@@ -58,6 +58,15 @@ def probe_server(
     ),
     max_test_s: float = typer.Option(60.0, "--max-test-s", help="Longest data test served."),
     max_sessions: int = typer.Option(64, "--max-sessions", help="Clients served at once."),
+    max_connections_per_peer: int = typer.Option(
+        128, "--max-connections-per-peer", help="TCP connections one client address may hold."
+    ),
+    max_data_connections: int = typer.Option(
+        16, "--max-data-connections", help="Data connections (streams) one session may open."
+    ),
+    max_session_gb: float = typer.Option(
+        64.0, "--max-session-gb", help="Bytes one session may move, all its streams, GB (1e9)."
+    ),
 ) -> None:
     """Serve probe-link clients: TCP control and data, UDP reflector. Runs until Ctrl-C."""
     import asyncio
@@ -69,7 +78,16 @@ def probe_server(
         _check_range("--udp-port", udp_port, 0, 65535)
     _check_range("--max-test-s", max_test_s, 0.1, 3600)
     _check_range("--max-sessions", max_sessions, 1, 10_000)
-    limits = ServerLimits(max_test_s=max_test_s, max_sessions=max_sessions)
+    _check_range("--max-connections-per-peer", max_connections_per_peer, 2, 100_000)
+    _check_range("--max-data-connections", max_data_connections, 1, 1024)
+    _check_range("--max-session-gb", max_session_gb, 0.001, 100_000)
+    limits = ServerLimits(
+        max_test_s=max_test_s,
+        max_sessions=max_sessions,
+        max_connections_per_peer=max_connections_per_peer,
+        max_data_connections_per_session=max_data_connections,
+        max_session_bytes=int(max_session_gb * 1e9),
+    )
     server = ProbeServer(bind, port, udp_port=udp_port, secret=_secret(secret), limits=limits)
 
     def ready(s: ProbeServer) -> None:

@@ -5,10 +5,14 @@ Routes (JSON in and out; errors are ``{"error": "<one line>"}`` with 400/404/409
 - ``GET /toxics`` · ``POST /toxics`` (a toxic) · ``GET|PATCH|DELETE /toxics/{name}``
 - ``POST /link/down`` ``{"duration_s": 2, "mode": "reset"}`` · ``POST /link/up`` · ``GET /link``
 - ``GET /stats`` · ``GET /metrics`` (Prometheus text) · ``GET /health``
+
+A request with a foreign ``Origin`` header (another web page in a browser) is refused with
+403; with a token, every request but ``/health`` needs ``Authorization: Bearer <token>`` (401).
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -25,6 +29,24 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": message}, status=status)
+
+
+TOKEN_KEY: web.AppKey[str | None] = web.AppKey("token", str)
+
+
+@web.middleware
+async def _guard(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Refuse a request another web page sent (a foreign ``Origin``: a browser's cross-site
+    ``text/plain`` POST needs no preflight), and one without the bearer token when set."""
+    origin = request.headers.get("Origin")
+    if origin is not None and origin not in (f"http://{request.host}", f"https://{request.host}"):
+        return _error(403, f"Origin {origin!r}: the control API takes no cross-site requests")
+    token = request.app[TOKEN_KEY]
+    if token is not None and request.path != "/health":
+        given = request.headers.get("Authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            return _error(401, "a bearer token is required (Authorization: Bearer <token>)")
+    return await handler(request)
 
 
 @web.middleware
@@ -131,10 +153,11 @@ async def health(request: web.Request) -> web.Response:
     return web.json_response({"status": "ok", "port": _proxy(request).port})
 
 
-def create_app(proxy: FaultProxy) -> web.Application:
-    """The aiohttp application controlling ``proxy``."""
-    app = web.Application(middlewares=[_errors])
+def create_app(proxy: FaultProxy, token: str | None = None) -> web.Application:
+    """The aiohttp application controlling ``proxy`` (``token``: required as a bearer)."""
+    app = web.Application(middlewares=[_guard, _errors], client_max_size=64 * 1024)
     app[PROXY_KEY] = proxy
+    app[TOKEN_KEY] = token
     app.router.add_get("/toxics", list_toxics)
     app.router.add_post("/toxics", add_toxic)
     app.router.add_get("/toxics/{name}", get_toxic)
@@ -153,15 +176,19 @@ def create_app(proxy: FaultProxy) -> web.Application:
 class ControlServer:
     """Runs the control API for a proxy on ``host:port`` (port 0 = ephemeral)."""
 
-    def __init__(self, proxy: FaultProxy, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(
+        self, proxy: FaultProxy, host: str = "127.0.0.1", port: int = 0, *,
+        token: str | None = None,
+    ) -> None:  # fmt: skip
         self.proxy = proxy
         self.host = host
         self.port = port
+        self.token = token
         self._runner: web.AppRunner | None = None
 
     async def start(self) -> None:
         """Bind and serve."""
-        self._runner = web.AppRunner(create_app(self.proxy), access_log=None)
+        self._runner = web.AppRunner(create_app(self.proxy, self.token), access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port)
         await site.start()

@@ -21,17 +21,20 @@ class ControlClient:
 
     blocking = True  # timelines call it from a worker thread
 
-    def __init__(self, url: str, timeout_s: float = 5.0) -> None:
+    def __init__(self, url: str, timeout_s: float = 5.0, *, token: str | None = None) -> None:
         self.url = url.rstrip("/")
         if not self.url.startswith("http"):
             self.url = "http://" + self.url
         self.timeout_s = timeout_s
+        self.token = token
 
     def request(self, method: str, path: str, body: Any = None) -> Any:
         """Send one request; JSON in and out; errors become one-line exceptions."""
         data = None if body is None else json.dumps(_plain(body)).encode()
         req = urllib.request.Request(self.url + path, data=data, method=method)
         req.add_header("Content-Type", "application/json")
+        if self.token:
+            req.add_header("Authorization", f"Bearer {self.token}")
         try:
             with urllib.request.urlopen(req, timeout=self.timeout_s) as resp:
                 raw = resp.read()

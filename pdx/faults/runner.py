@@ -30,6 +30,7 @@ class ProxyOptions:
     loss: float = 0.0
     direction: str = "both"
     api: tuple[str, int] | None = None
+    api_token: str | None = None
     seed: int | None = None
     stall_ms: float = 200.0
     extra: list[dict[str, Any]] = field(default_factory=list)
@@ -108,7 +109,7 @@ async def serve(
         if opts.api is not None:
             from pdx.faults.api import ControlServer
 
-            control = ControlServer(proxy, *opts.api)
+            control = ControlServer(proxy, *opts.api, token=opts.api_token)
             await control.start()
         if on_ready is not None:
             on_ready({"listen": list(proxy.address), "api": control.url if control else None})

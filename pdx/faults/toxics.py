@@ -18,8 +18,11 @@ from pdx.errors import ConfigError, InputError
 Direction = Literal["both", "upstream", "downstream"]
 JitterDist = Literal["uniform", "normal"]
 
-NonNeg = Annotated[float, Field(ge=0, allow_inf_nan=False)]
+# Sane ranges (a latency of 1e12 ms is a typo, not a fault to inject): times up to an hour,
+# rates up to 1 Tbit/s, sizes up to 1 GiB.
+NonNeg = Annotated[float, Field(ge=0, le=3_600_000, allow_inf_nan=False)]  # ms
 Prob = Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)]
+Size = Annotated[int, Field(ge=1, le=1 << 30)]
 
 
 class _ToxicBase(BaseModel):
@@ -49,8 +52,8 @@ class Bandwidth(_ToxicBase):
     """Token-bucket rate limit in megabits per second (decimal) per direction."""
 
     type: Literal["bandwidth"] = "bandwidth"
-    rate_mbps: Annotated[float, Field(gt=0, allow_inf_nan=False)]
-    burst_bytes: Annotated[int, Field(ge=1)] = 65536
+    rate_mbps: Annotated[float, Field(gt=0, le=1_000_000, allow_inf_nan=False)]
+    burst_bytes: Size = 65536
 
 
 class Stall(_ToxicBase):
@@ -79,9 +82,9 @@ class Slicer(_ToxicBase):
     """Cut chunks into slices of about ``average_size`` bytes, ``delay_us`` apart."""
 
     type: Literal["slicer"] = "slicer"
-    average_size: Annotated[int, Field(ge=1)] = 64
-    size_variation: Annotated[int, Field(ge=0)] = 0
-    delay_us: NonNeg = 0.0
+    average_size: Size = 64
+    size_variation: Annotated[int, Field(ge=0, le=1 << 30)] = 0
+    delay_us: Annotated[float, Field(ge=0, le=60_000_000, allow_inf_nan=False)] = 0.0
 
     @model_validator(mode="after")
     def _variation_below_size(self) -> Slicer:
@@ -94,7 +97,7 @@ class LimitData(_ToxicBase):
     """Close the connection once ``bytes`` bytes have been forwarded in the direction."""
 
     type: Literal["limit_data"] = "limit_data"
-    bytes: Annotated[int, Field(ge=0)]
+    bytes: Annotated[int, Field(ge=0, le=1 << 50)]
 
 
 class SlowClose(_ToxicBase):
@@ -109,7 +112,7 @@ class Corrupt(_ToxicBase):
 
     type: Literal["corrupt"] = "corrupt"
     probability: Prob = 0.0
-    offset: Annotated[int, Field(ge=0)] | None = None
+    offset: Annotated[int, Field(ge=0, le=1 << 50)] | None = None
     nbytes: Annotated[int, Field(ge=1, le=4096)] = 1
     seed: int | None = None
 

@@ -25,7 +25,8 @@ from pdx.link import protocol as proto
 from pdx.link.sockets import ANCILLARY_BYTES, enable_rx_timestamps, rx_timestamp_ns
 from pdx.tcp import congestion_control, tcp_facts, tcp_info
 
-_RECV_BYTES = 256 * 1024
+_RECV_BYTES = 256 * 1024  # a data connection's receive buffer (a sink counting bytes)
+_FRAME_RECV_BYTES = 4096  # before a connection is a data connection: frames only
 _MAX_UDP_BYTES = 65535
 
 
@@ -39,6 +40,12 @@ class ServerLimits:
     max_probes_per_stream: int = 1_000_000
     max_chunk_bytes: int = 64 * 1024 * 1024
     idle_timeout_s: float = 120.0
+    # Against one client using the server as a traffic generator, or flooding it with
+    # connections (a server with no --secret lets anyone open a session):
+    max_connections: int = 1024
+    max_connections_per_peer: int = 128
+    max_data_connections_per_session: int = 16
+    max_session_bytes: int = 64 * 1024**3
 
     def as_dict(self) -> dict[str, Any]:
         """Limits as announced to clients."""
@@ -47,6 +54,8 @@ class ServerLimits:
             "max_test_bytes": self.max_test_bytes,
             "max_probes_per_stream": self.max_probes_per_stream,
             "max_chunk_bytes": self.max_chunk_bytes,
+            "max_data_connections_per_session": self.max_data_connections_per_session,
+            "max_session_bytes": self.max_session_bytes,
         }
 
 
@@ -64,6 +73,9 @@ class _Session:
     test_epochs: dict[str, float] = field(default_factory=dict)
     # TCP_INFO of this session's download (source) streams, by test; bounded per test
     tcp_reports: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    peer_ip: str = ""  # UDP probes are answered only to the address that opened it
+    data_connections: int = 0
+    bytes_moved: int = 0  # of max_session_bytes, over all its data connections
 
     def epoch(self, test: str) -> float:
         """Common time origin of all data connections of one test (bins line up across streams)."""
@@ -93,6 +105,7 @@ class ProbeServer:
         self._server: asyncio.Server | None = None
         self._udp: socket.socket | None = None
         self._connections: set[_Connection] = set()
+        self._per_peer: dict[str, int] = {}
 
     async def start(self) -> None:
         """Bind both sockets; UDP takes the TCP port number unless told otherwise."""
@@ -134,14 +147,33 @@ class ProbeServer:
             self._server = None
 
     # -- sessions -----------------------------------------------------------------------
-    def open_session(self) -> _Session:
+    def open_session(self, peer_ip: str) -> _Session:
         """Create a session, or refuse when the server is full."""
         if len(self.sessions) >= self.limits.max_sessions:
             raise proto.ProtocolError(f"server busy: {len(self.sessions)} sessions open")
         sid = secrets.token_bytes(8)
-        session = _Session(sid, proto.session_key(self.secret, sid))
+        session = _Session(sid, proto.session_key(self.secret, sid), peer_ip=peer_ip)
         self.sessions[sid] = session
         return session
+
+    def admit(self, ip: str) -> str | None:
+        """Count a new TCP connection; why it is refused (too many open), or None."""
+        lim = self.limits
+        mine = self._per_peer.get(ip, 0)
+        if len(self._connections) >= lim.max_connections:
+            return f"{len(self._connections)} connections open"
+        if mine >= lim.max_connections_per_peer:
+            return f"{mine} connections from {ip}"
+        self._per_peer[ip] = mine + 1
+        return None
+
+    def leave(self, ip: str) -> None:
+        """A counted connection ended."""
+        left = self._per_peer.get(ip, 1) - 1
+        if left > 0:
+            self._per_peer[ip] = left
+        else:
+            self._per_peer.pop(ip, None)
 
     def session_for(self, sid_hex: Any) -> _Session:
         """Look a session up by its hex id (data connections name the session they serve)."""
@@ -168,8 +200,8 @@ class ProbeServer:
         if len(data) < proto.PROBE.size:
             return
         session = self.sessions.get(data[8:16])
-        if session is None:
-            return  # not an open reflector: unknown sessions get nothing back
+        if session is None or (session.peer_ip and addr[0] != session.peer_ip):
+            return  # not an open reflector: unknown sessions and other addresses get nothing
         try:
             probe = proto.unpack_probe(data, session.udp_key)
         except proto.ProtocolError:
@@ -196,7 +228,9 @@ class _Connection(asyncio.BufferedProtocol):
     def __init__(self, server: ProbeServer) -> None:
         self.server = server
         self.nonce = proto.new_nonce()
-        self.buf = bytearray(_RECV_BYTES)
+        self.buf = bytearray(_FRAME_RECV_BYTES)  # grown once it is a data connection
+        self.peer_ip = ""
+        self.counted_data = False
         self.pending = bytearray()
         self.mode = "frames"
         self.session: _Session | None = None
@@ -220,6 +254,13 @@ class _Connection(asyncio.BufferedProtocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         assert isinstance(transport, asyncio.Transport)
         self.transport = transport
+        peer = transport.get_extra_info("peername")
+        self.peer_ip = str(peer[0]) if peer else ""
+        why = self.server.admit(self.peer_ip)
+        if why is not None:
+            self.mode = "closing"
+            transport.abort()
+            return
         self.server._connections.add(self)
         transport.set_write_buffer_limits(high=4 * 1024 * 1024)
         sock = transport.get_extra_info("socket")
@@ -238,7 +279,11 @@ class _Connection(asyncio.BufferedProtocol):
         transport.write(proto.encode_frame(welcome, self.server.secret, b""))
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.server._connections.discard(self)
+        if self in self.server._connections:
+            self.server._connections.discard(self)
+            self.server.leave(self.peer_ip)
+        if self.counted_data and self.session is not None:
+            self.session.data_connections -= 1
         for handle in (self.deadline_handle, self.idle_handle):
             if handle is not None:
                 handle.cancel()
@@ -338,7 +383,7 @@ class _Connection(asyncio.BufferedProtocol):
     def _on_hello(self) -> None:
         if self.session is not None:
             raise proto.ProtocolError("hello sent twice")
-        self.session = self.server.open_session()
+        self.session = self.server.open_session(self.peer_ip)
         self.control = True
         self._send(
             {
@@ -380,8 +425,21 @@ class _Connection(asyncio.BufferedProtocol):
         if mode not in ("sink", "source", "chunks"):
             raise proto.ProtocolError("mode must be one of sink, source, chunks")
         limits = self.server.limits
+        if session.data_connections >= limits.max_data_connections_per_session:
+            raise proto.ProtocolError(
+                f"{session.data_connections} data connections open in this session (at most "
+                f"{limits.max_data_connections_per_session})"
+            )
+        left = limits.max_session_bytes - session.bytes_moved
+        if left <= 0:
+            raise proto.ProtocolError(f"this session moved its {limits.max_session_bytes} bytes")
         duration_s = min(_float_field(message, "duration_s", 0.01, 3600.0), limits.max_test_s)
-        self.byte_limit = min(_int_field(message, "max_bytes", 1, 2**63), limits.max_test_bytes)
+        self.byte_limit = min(
+            _int_field(message, "max_bytes", 1, 2**63), limits.max_test_bytes, left
+        )
+        session.data_connections += 1
+        self.counted_data = True
+        self.buf = bytearray(_RECV_BYTES)
         if "interval_s" in message:
             self.interval_s = _float_field(message, "interval_s", 0.01, 10.0)
         self.test = str(message.get("test", ""))[:64]
@@ -401,12 +459,20 @@ class _Connection(asyncio.BufferedProtocol):
             self.buffer_updated(len(leftover))
 
     # -- data modes ---------------------------------------------------------------------
+    def _session_spent(self, nbytes: int) -> bool:
+        """Count bytes against the session's budget; True once it is used up."""
+        session = self.session
+        if session is None:
+            return False
+        session.bytes_moved += nbytes
+        return session.bytes_moved >= self.server.limits.max_session_bytes
+
     def _count(self, nbytes: int) -> None:
         now = time.monotonic()
         index = int((now - self.epoch) / self.interval_s)
         self.bins[index] = self.bins.get(index, 0) + nbytes
         self.bytes += nbytes
-        if self.bytes >= self.byte_limit:
+        if self._session_spent(nbytes) or self.bytes >= self.byte_limit:
             self._finish_sink()
 
     def _finish_sink(self) -> None:
@@ -438,6 +504,8 @@ class _Connection(asyncio.BufferedProtocol):
             size = min(len(block), self.byte_limit - self.bytes)
             transport.write(block[:size])
             self.bytes += size
+            if self._session_spent(size):
+                break
             await asyncio.sleep(0)
         self.mode = "closing"
         self._record_tcp_info(transport)
@@ -475,7 +543,7 @@ class _Connection(asyncio.BufferedProtocol):
                 self.chunk_left = -1
                 assert self.transport is not None
                 self.transport.write(proto.CHUNK_HEADER.pack(self.chunk_len))
-            if self.bytes >= self.byte_limit:
+            if self._session_spent(take) or self.bytes >= self.byte_limit:
                 self._deadline()
                 return
 

@@ -178,7 +178,10 @@ class SupervisorConfig(BaseModel):
     """How child processes are watched."""
 
     model_config = _Strict
-    max_restarts: int = Field(3, ge=0)
+    max_restarts: int = Field(3, ge=0, description="restarts of one child within the window")
+    restart_window_s: float = Field(
+        600.0, gt=0, description="crashes older than this no longer count against the budget"
+    )
     backoff_initial_s: float = Field(0.5, gt=0)
     backoff_max_s: float = Field(10.0, gt=0)
     ready_timeout_s: float = Field(120.0, gt=0)

@@ -4,7 +4,8 @@
 and M decode processes (each binds an ephemeral port unless told otherwise and announces
 itself on stdout with one ``PDX-READY {json}`` line), optionally puts a fault proxy in front
 of each KV store, then starts the gateway in this process. A child that dies is restarted
-on the same ports with exponential backoff, up to ``max_restarts``; past that the
+on the same ports with exponential backoff, up to ``max_restarts`` within
+``restart_window_s``; past that the
 deployment fails loudly. ``stop()`` shuts everything down (SIGTERM, grace, then SIGKILL).
 """
 
@@ -15,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import secrets
 import signal
 import sys
 import tempfile
@@ -45,6 +47,7 @@ class Child:
     proc: asyncio.subprocess.Process | None = None
     info: dict[str, Any] = field(default_factory=dict)
     restarts: int = 0
+    crashes: list[float] = field(default_factory=list)  # monotonic times within the window
     log_path: Path | None = None
 
     @property
@@ -204,7 +207,10 @@ class Deployment:
                 proxy = FaultProxy((kv.proxy_host, 0), upstream)
                 await proxy.start()
                 self.proxies.append(proxy)
-                control = ControlServer(proxy, kv.proxy_control_host, 0)
+                # A bearer token, handed to whoever reads the endpoints (pdx accept).
+                control = ControlServer(
+                    proxy, kv.proxy_control_host, 0, token=secrets.token_urlsafe(16)
+                )
                 await control.start()
                 self.controls.append(control)
 
@@ -266,6 +272,7 @@ class Deployment:
                     "listen": f"{p.address[0]}:{p.port}",
                     "upstream": list(p.upstream),
                     "control": c.url,
+                    "control_token": c.token,
                 }
                 for p, c in zip(self.proxies, self.controls, strict=True)
             ],
@@ -298,11 +305,19 @@ class Deployment:
             code = await child.proc.wait()
             if self._stopping:
                 return
-            if child.restarts >= sup.max_restarts:
-                self.failed = f"{child.name} exited with {code}; restart budget spent"
+            # The budget is per window: crashes spaced further apart than restart_window_s
+            # (each after a recovery) never add up to stopping the deployment.
+            now = time.monotonic()
+            child.crashes = [t for t in child.crashes if now - t < sup.restart_window_s]
+            if len(child.crashes) >= sup.max_restarts:
+                self.failed = (
+                    f"{child.name} exited with {code}; restart budget spent ({sup.max_restarts} "
+                    f"in {sup.restart_window_s:g} s)"
+                )
                 log.error(self.failed)
                 return
-            delay = min(sup.backoff_max_s, sup.backoff_initial_s * 2**child.restarts)
+            delay = min(sup.backoff_max_s, sup.backoff_initial_s * 2 ** len(child.crashes))
+            child.crashes.append(now)
             child.restarts += 1
             log.warning("%s exited with %s; restart %d in %.1f s", child.name, code,
                         child.restarts, delay)  # fmt: skip

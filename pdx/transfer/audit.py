@@ -14,9 +14,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+MAX_FIELD_CHARS = 256  # a field a peer controls (a kv_id, a reason) is cut to this
+
+
+def bounded(value: Any) -> Any:
+    """``value``, with a long string cut (so a peer cannot grow the log by sending one)."""
+    if isinstance(value, str) and len(value) > MAX_FIELD_CHARS:
+        return value[:MAX_FIELD_CHARS] + f"...(+{len(value) - MAX_FIELD_CHARS} chars)"
+    return value
+
 
 class AuditLog:
-    """Appends one JSON object per line; ``path=None`` keeps records in memory only."""
+    """Appends one JSON object per line; ``path=None`` keeps records in memory only.
+
+    Memory is bounded: the last ``keep_in_memory`` records, each field of them cut to
+    :data:`MAX_FIELD_CHARS` characters.
+    """
 
     def __init__(self, path: Path | str | None = None, *, keep_in_memory: int = 10_000) -> None:
         self.path = Path(path) if path is not None else None
@@ -36,7 +49,7 @@ class AuditLog:
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now_ns / 1e9))
             + f".{now_ns // 1_000_000 % 1000:03d}Z",
             "event": event,
-            **{k: v for k, v in fields.items() if v is not None},
+            **{k: bounded(v) for k, v in fields.items() if v is not None},
         }
         line = (json.dumps(rec, separators=(",", ":"), default=str) + "\n").encode()
         with self._lock:

@@ -401,6 +401,7 @@ class KVClient:
             while conn is not None and conn.answered():  # closed by the store while idle
                 conn.close()
                 conn = self._pool.take()
+            fresh = conn is None
             if conn is None:
                 try:
                     conn = ep.connect(deadline)
@@ -417,7 +418,13 @@ class KVClient:
                 result = work(conn, timeout_ms)
             except BaseException as exc:
                 conn.close()
-                raise client_error(exc, kv_id, None) from None
+                err = client_error(exc, kv_id, None)
+                if fresh and err.code is KVErrorCode.KV_UNAVAILABLE:
+                    # A connection just dialled was refused or dropped (the store at its
+                    # connection limit, or gone): under ``auto``, gRPC serves this attempt.
+                    self._unreachable()
+                    raise DataPlaneUnreachable(err.code, err.message, kv_id=kv_id) from None
+                raise err from None
             if before is not None:
                 req.limited_by = req.limited_by or _limited(before, tcp_info(conn.sock))
             conn.set_deadline(None)

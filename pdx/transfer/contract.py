@@ -111,6 +111,7 @@ class KVError(PdxError):
 # --- kv_id -----------------------------------------------------------------------------
 
 _MODEL_VERSION = re.compile(r"^[A-Za-z0-9._:/+-]{1,64}$")
+MAX_KV_ID_CHARS = 4 + 32 + 1 + 15 + 1 + 64  # kv1.<hex32>.<ms>.<model version>
 _KV_ID = re.compile(r"^kv1\.([0-9a-f]{32})\.([0-9]{1,15})\.([A-Za-z0-9._:/+-]{1,64})$")
 
 
@@ -268,6 +269,30 @@ class KVStoreConfig(BaseModel):
     # BDP), which bounds what one connection can hold of the store's memory.
     congestion_control: Literal["bbr", "cubic", "system"] = "bbr"
     max_send_buffer_bytes: int = Field(default=64 * 1024 * 1024, ge=0, le=1 << 30)
+    # Limits against hostile peers (docs/kv-transfer.md, "Security and limits"). Peers are
+    # told apart by certificate identity, else by source address.
+    max_connections: int = Field(default=256, ge=1, le=65536)  # data-plane connections
+    max_unauthenticated: int = Field(default=64, ge=1)  # not yet past TLS and HELLO
+    max_connections_per_peer: int = Field(default=64, ge=1)
+    max_unauthenticated_per_peer: int = Field(default=8, ge=1)
+    handshake_timeout_s: float = Field(default=5.0, gt=0, le=120)  # TLS + HELLO, in all
+    max_request_timeout_ms: int = Field(default=300_000, gt=0)  # caps a client's deadline
+    stall_timeout_s: float = Field(default=10.0, gt=0, le=600)  # no progress: end it
+    upload_resume_s: float = Field(default=10.0, ge=0, le=300)  # a failed upload stays rejoinable
+    # None: all but a quarter of max_inflight_kv (kept for other peers), or all of a pool
+    # smaller than 4
+    max_inflight_per_peer: int | None = Field(default=None, ge=1)
+    # Who may Get, Stat, Renew and Release an object besides the identity that wrote it:
+    # service names (a certificate's CN, else the declared client id); "*" = anyone.
+    readers: list[str] = Field(default_factory=lambda: ["decode"])
+
+    @property
+    def inflight_per_peer(self) -> int:
+        """Transfer slots one peer may hold at once."""
+        if self.max_inflight_per_peer is not None:
+            return self.max_inflight_per_peer
+        n = self.max_inflight_kv
+        return n if n < 4 else n - n // 4
 
 
 class KVClientConfig(BaseModel):

@@ -16,7 +16,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from pdx.transfer.audit import AuditLog
 from pdx.transfer.contract import Clock, KVStoreConfig
-from pdx.transfer.dataplane.server import DataServer
+from pdx.transfer.dataplane.server import DataLimits, DataServer
 from pdx.transfer.metrics import KVMetrics
 from pdx.transfer.rpc import CHANNEL_OPTIONS, SERVICE_NAME, ErrorMappingInterceptor
 from pdx.transfer.service import KVService
@@ -70,7 +70,12 @@ async def create_kv_server(
     audit = audit or AuditLog(cfg.audit_path)
     store = KVStore(cfg, clock=clock, audit=audit, metrics=metrics)
     service = KVService(store, cfg)
-    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=CHANNEL_OPTIONS)
+    # What a peer may make the store receive in one message: a chunk at the largest chunk
+    # size and its framing (a client needs more, the other way: ObjectInfo lists digests).
+    receive = cfg.chunk_size_kb_max * 1024 + 64 * 1024
+    options = [(k, receive if k == "grpc.max_receive_message_length" else v)
+               for k, v in CHANNEL_OPTIONS]  # fmt: skip
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor()], options=options)
     server.add_generic_rpc_handlers((service.handler(),))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -107,6 +112,15 @@ def _data_server(service: KVService, cfg: KVStoreConfig) -> DataServer:
         max_frame_bytes=cfg.chunk_size_kb_max * 1024,
         congestion_control=cfg.congestion_control,
         max_send_buffer_bytes=cfg.max_send_buffer_bytes,
+        limits=DataLimits(
+            max_connections=cfg.max_connections,
+            max_unauthenticated=cfg.max_unauthenticated,
+            max_connections_per_peer=cfg.max_connections_per_peer,
+            max_unauthenticated_per_peer=cfg.max_unauthenticated_per_peer,
+            handshake_timeout_s=cfg.handshake_timeout_s,
+            max_request_timeout_s=cfg.max_request_timeout_ms / 1000,
+            stall_timeout_s=cfg.stall_timeout_s,
+        ),
     )
 
 

@@ -26,9 +26,11 @@ from pdx.tcp import available_congestion_controls
 from pdx.transfer.audit import digest_hex
 from pdx.transfer.contract import (
     CLIENT_ID_METADATA_KEY,
+    MAX_KV_ID_CHARS,
     KVError,
     KVErrorCode,
     KVStoreConfig,
+    parse_kv_id,
 )
 from pdx.transfer.dataplane.framing import BUFFERS
 from pdx.transfer.dataplane.server import DataServer, GetOutcome, Handoff, PutOutcome
@@ -51,6 +53,22 @@ def peer_identity(context: grpc.aio.ServicerContext) -> str:
     return "anonymous"
 
 
+def checked_kv_id(kv_id: str) -> str:
+    """``kv_id`` if it is well-formed; else KV_INVALID (before anything stores or logs it)."""
+    if len(kv_id) > MAX_KV_ID_CHARS:
+        raise KVError(KVErrorCode.KV_INVALID, f"kv_id of {len(kv_id)} characters")
+    parse_kv_id(kv_id)
+    return kv_id
+
+
+def holder(op: _Op) -> str:
+    """Whose transfer slots an operation counts against: a certificate identity, else the
+    peer's address (a declared client id costs nothing to change)."""
+    if op.who.startswith("cn="):
+        return op.who
+    return op.peer.rsplit(":", 1)[0] if op.peer.count(":") >= 2 else op.peer
+
+
 @dataclass
 class _Op:
     """One audited operation in flight."""
@@ -62,6 +80,7 @@ class _Op:
     bytes: int = 0
     start_s: float = field(default_factory=time.perf_counter)
     extra: dict[str, Any] = field(default_factory=dict)
+    outcome: str | None = None  # set when the call ended otherwise than its code says
 
 
 class KVService:
@@ -73,6 +92,8 @@ class KVService:
         self.audit = store.audit
         self.metrics = store.metrics
         self._slots = asyncio.Semaphore(cfg.max_inflight_kv)
+        self._held: dict[str, int] = {}  # slots per peer
+        self._peer_cv = asyncio.Condition()
         self.data_server: DataServer | None = None
 
     # --- plumbing ---------------------------------------------------------------------
@@ -105,17 +126,56 @@ class KVService:
                 peer=op.peer,
                 kv_id=op.kv_id or None,
                 bytes=op.bytes,
-                outcome=outcome,
+                outcome=op.outcome or outcome,
                 ms=round(ms, 3),
                 **op.extra,
             )
 
-    def _slot(self, context: grpc.aio.ServicerContext, op: str) -> Any:
-        return self._slot_wait(context.time_remaining())
+    def _slot(self, context: grpc.aio.ServicerContext, op: _Op) -> Any:
+        return self._slot_wait(self._time_left(context.time_remaining()), holder(op))
+
+    def _time_left(self, remaining: float | None) -> float:
+        """A call's time: its own deadline, never more than ``max_request_timeout_ms``."""
+        cap = self.cfg.max_request_timeout_ms / 1000
+        return cap if remaining is None else min(remaining, cap)
 
     @contextlib.asynccontextmanager
-    async def _slot_wait(self, remaining: float | None) -> AsyncIterator[None]:
-        """``max_inflight_kv`` back-pressure: wait (bounded by the call's deadline) or refuse."""
+    async def _slot_wait(self, remaining: float | None, who: str) -> AsyncIterator[None]:
+        """``max_inflight_kv`` back-pressure: wait (bounded by the call's deadline) or refuse.
+
+        One peer holds at most ``inflight_per_peer`` slots (it waits for its own to free
+        like any other), so a peer that stalls its transfers cannot take the slots every
+        other client needs.
+        """
+        cap = self.cfg.inflight_per_peer
+        wait_s = self.cfg.inflight_wait_ms / 1000
+        if remaining is not None:
+            wait_s = min(wait_s, max(remaining, 0.0))
+        async with self._peer_cv:
+            try:
+                if self._held.get(who, 0) >= cap:
+                    await asyncio.wait_for(
+                        self._peer_cv.wait_for(lambda: self._held.get(who, 0) < cap), wait_s
+                    )
+            except TimeoutError:
+                raise KVError(
+                    KVErrorCode.KV_OVERLOADED,
+                    f"{self._held.get(who, 0)} transfers of {who} in flight (at most {cap} "
+                    "per peer)",
+                ) from None
+            self._held[who] = self._held.get(who, 0) + 1
+        try:
+            async with self._global_slot(remaining):
+                yield
+        finally:
+            async with self._peer_cv:
+                self._held[who] -= 1
+                if not self._held[who]:
+                    del self._held[who]
+                self._peer_cv.notify_all()
+
+    @contextlib.asynccontextmanager
+    async def _global_slot(self, remaining: float | None) -> AsyncIterator[None]:
         wait_s = self.cfg.inflight_wait_ms / 1000
         if remaining is not None:
             wait_s = min(wait_s, max(remaining, 0.0))
@@ -145,14 +205,49 @@ class KVService:
         self, requests: AsyncIterator[bytes], context: grpc.aio.ServicerContext
     ) -> pb.PutResponse:
         """Client-streaming upload: a header, then chunks in order from ``start_chunk``."""
-        async with self._audited("put", context) as op, self._slot(context, "put"):
-            first = await anext(requests, None)
-            if first is None or is_chunk_message(first):
-                raise KVError(KVErrorCode.KV_INVALID, "a Put stream must start with a header")
-            header = pb.PutRequest.FromString(first).header
-            return await self._upload(
-                op, header, lambda obj: self._receive(obj, header.start_chunk, requests)
-            )
+        async with self._audited("put", context) as op, self._slot(context, op):
+            left = self._time_left(context.time_remaining())
+            try:
+                async with asyncio.timeout(left):
+                    stalled = self._stall_guarded(requests)
+                    first = await anext(stalled, None)
+                    if first is None or is_chunk_message(first):
+                        raise KVError(
+                            KVErrorCode.KV_INVALID, "a Put stream must start with a header"
+                        )
+                    try:
+                        header = pb.PutRequest.FromString(first).header
+                    except DecodeError:
+                        raise KVError(
+                            KVErrorCode.KV_INVALID, "Put header: not a PutRequest"
+                        ) from None
+                    reply = await self._upload(
+                        op, header, lambda obj: self._receive(obj, header.start_chunk, stalled)
+                    )
+            except TimeoutError:
+                raise KVError(
+                    KVErrorCode.KV_TIMEOUT, f"Put took longer than its {left:g} s", kv_id=op.kv_id
+                ) from None
+            if context.cancelled() or (header.digest_in_trailer and reply.missing_chunks):
+                # A cancelled call just ends the request stream here; a stream that promised
+                # a trailer and stopped short of it did not finish: it was cancelled or cut.
+                op.outcome = "cancelled"
+                op.extra["reason"] = "the stream ended before its last chunk and trailer"
+            return reply
+
+    async def _stall_guarded(self, requests: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The messages of a client stream, ended by KV_TIMEOUT when one takes longer than
+        ``stall_timeout_s`` to arrive (a stalled upload frees its slot and reservation)."""
+        stall = self.cfg.stall_timeout_s
+        iterator = aiter(requests)
+        while True:
+            try:
+                raw = await asyncio.wait_for(anext(iterator), stall)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise KVError(KVErrorCode.KV_TIMEOUT, f"no progress for {stall:g} s") from None
+            yield raw
 
     async def _upload(
         self, op: _Op, header: pb.PutHeader, receive: Callable[[StoredObject], Awaitable[int]]
@@ -225,13 +320,21 @@ class KVService:
     ) -> AsyncIterator[bytes]:
         """Server-streaming read: info, then stored chunk messages from ``from_chunk``."""
         async with self._audited("get", context) as op:
-            op.kv_id = request.kv_id
-            async with self._slot(context, "get"):
-                async for message in self._stream(op, request):
-                    yield message
+            op.kv_id = checked_kv_id(request.kv_id)
+            left = self._time_left(context.time_remaining())
+            async with self._slot(context, op):
+                try:
+                    async with asyncio.timeout(left):
+                        async for message in self._stream(op, request):
+                            yield message
+                except TimeoutError:
+                    raise KVError(
+                        KVErrorCode.KV_TIMEOUT, f"Get took longer than {left:g} s", kv_id=op.kv_id
+                    ) from None
 
     async def _stream(self, op: _Op, request: pb.GetRequest) -> AsyncIterator[bytes]:
         obj = self.store.lookup(request.kv_id)
+        self.store.check_reader(obj, op.who)
         end = _range_end(obj, request)
         op.extra["from_chunk"] = request.from_chunk
         obj.readers += 1
@@ -261,7 +364,7 @@ class KVService:
         """A Put whose chunks a data-plane connection thread receives and checks."""
         async with (
             self._audit_op("put", who, peer, transport="data") as op,
-            self._slot_wait(timeout_s),
+            self._slot_wait(self._time_left(timeout_s), holder(op)),
         ):
 
             async def receive(obj: StoredObject) -> int:
@@ -291,9 +394,10 @@ class KVService:
     ) -> None:
         """A Get whose chunks a data-plane connection thread sends."""
         async with self._audit_op("get", who, peer, transport="data") as op:
-            op.kv_id = request.kv_id
-            async with self._slot_wait(timeout_s):
+            op.kv_id = checked_kv_id(request.kv_id)
+            async with self._slot_wait(self._time_left(timeout_s), holder(op)):
                 obj = self.store.lookup(request.kv_id)
+                self.store.check_reader(obj, op.who)
                 end = _range_end(obj, request)
                 op.extra["from_chunk"] = request.from_chunk
                 chunks = [(i, obj.digests[i], obj.data[i]) for i in range(request.from_chunk, end)]
@@ -330,7 +434,8 @@ class KVService:
     ) -> pb.ReleaseResponse:
         """The consumer's acknowledgement: delete now."""
         async with self._audited("release", context) as op:
-            op.kv_id = request.kv_id
+            op.kv_id = checked_kv_id(request.kv_id)
+            self.store.check_reader(self.store.lookup(request.kv_id), op.who)
             obj = self.store.release(request.kv_id, op.who)
             op.bytes = obj.size_bytes
             op.extra["object_digest"] = digest_hex(obj.object_digest)
@@ -341,7 +446,8 @@ class KVService:
     ) -> pb.RenewResponse:
         """Lease heartbeat."""
         async with self._audited("renew", context) as op:
-            op.kv_id = request.kv_id
+            op.kv_id = checked_kv_id(request.kv_id)
+            self.store.check_reader(self.store.lookup(request.kv_id), op.who)
             obj = self.store.renew(request.kv_id, request.lease_s)
             return pb.RenewResponse(info=self.store.info(obj))
 
@@ -350,8 +456,10 @@ class KVService:
     ) -> pb.StatResponse:
         """Describe an object without moving it."""
         async with self._audited("stat", context) as op:
-            op.kv_id = request.kv_id
-            return pb.StatResponse(info=self.store.info(self.store.lookup(request.kv_id)))
+            op.kv_id = checked_kv_id(request.kv_id)
+            obj = self.store.lookup(request.kv_id)
+            self.store.check_reader(obj, op.who)
+            return pb.StatResponse(info=self.store.info(obj))
 
     def _count(self, op: str, nbytes: int, chunks: int, start: float) -> None:
         self.metrics.bytes.labels(op=op, side="store").inc(nbytes)

@@ -65,6 +65,8 @@ class StoredObject:
     hashed: int = 0  # chunks [0, hashed) are in ``hasher``: the object digest grows in order
     digest_pending: bool = False  # object_digest still to come in a PutTrailer
     buffer: memoryview | None = None  # the whole object, when it arrives over the data plane
+    abandoned_s: float | None = None  # an upload that failed part-way, waiting for a retry
+    abandon_reason: str = ""
     # The data plane's receiving thread may grow the digest too (see hash_verified).
     hash_lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -143,6 +145,7 @@ class KVStore:
         pending = self._uploads.get(header.upload_token) if header.upload_token else None
         if pending is not None:
             self._check_rejoin(pending, header)
+            pending.abandoned_s = None  # a retry came back for it
             return pending
         self._check_header(header)
         self._make_room(header.size_bytes)
@@ -292,9 +295,29 @@ class KVStore:
         return 0
 
     def abandon(self, obj: StoredObject, reason: str) -> None:
-        """Forget an upload that cannot finish (no upload token to rejoin it)."""
-        if not obj.complete and not obj.upload_token:
+        """An upload failed part-way: forget it now, or (with an upload token to rejoin it)
+        after ``upload_resume_s``, so its reservation never outlives a retry's window."""
+        if obj.complete:
+            return
+        if not obj.upload_token or self.cfg.upload_resume_s <= 0:
             self._drop_upload(obj, reason)
+        else:
+            obj.abandoned_s = self.clock.now_s()
+            obj.abandon_reason = reason
+
+    def check_reader(self, obj: StoredObject, who: str) -> None:
+        """Only the writer and the configured readers may read or release an object."""
+        readers = self.cfg.readers
+        if who == obj.owner or "*" in readers:
+            return
+        name = who.split("=", 1)[1] if "=" in who else who
+        if name in readers and who.split("=", 1)[0] in ("cn", "client"):
+            return
+        raise KVError(
+            KVErrorCode.KV_UNAUTHENTICATED,
+            f"{who} may not read objects written by {obj.owner} (readers: {', '.join(readers)})",
+            kv_id=obj.kv_id,
+        )
 
     def _drop_upload(self, obj: StoredObject, reason: str) -> None:
         if self._uploads.get(obj.upload_token) is obj:
@@ -345,7 +368,12 @@ class KVStore:
         stale = [o for o in self._uploads.values() if now >= o.expires_at_s()]
         for obj in stale:
             self._drop_upload(obj, "upload not finished before TTL")
-        return len(due) + len(stale)
+        resume = self.cfg.upload_resume_s
+        gone = [o for o in self._uploads.values()
+                if o.abandoned_s is not None and now - o.abandoned_s >= resume]  # fmt: skip
+        for obj in gone:
+            self._drop_upload(obj, f"{obj.abandon_reason}; not resumed within {resume:g} s")
+        return len(due) + len(stale) + len(gone)
 
     def info(self, obj: StoredObject) -> pb.ObjectInfo:
         """The wire description of an object."""

@@ -260,7 +260,8 @@ def test_killed_decode_strands_kv_and_a_silent_transfer_is_overdue(tmp_path: Pat
         report_dir = _step_running(out, "s00")
         endpoints = json.loads((report_dir / "raw" / "deploy-endpoints.json").read_text())
         time.sleep(1.5)
-        ControlClient(endpoints["proxies"][0]["control"]).link_down(None, "blackhole")
+        proxy = endpoints["proxies"][0]
+        ControlClient(proxy["control"], token=proxy["control_token"]).link_down(None, "blackhole")
         _step_running(out, "s01")  # the run brings the link up again between steps
         time.sleep(2.0)
         os.kill(int(endpoints["decode"][0]["pid"]), signal.SIGKILL)  # between Get and Release

@@ -290,17 +290,19 @@ async def test_a_child_past_its_restart_budget_fails_the_deployment_loudly() -> 
 
 PROXY_CLIENT = """
 import json, sys, urllib.request
-url, control = sys.argv[1], sys.argv[2]
+url, control, token = sys.argv[1], sys.argv[2], sys.argv[3]
+auth = {"Authorization": "Bearer " + token}
 def post(where, body):
     req = urllib.request.Request(where, json.dumps(body).encode(),
-                                 {"Content-Type": "application/json"})
+                                 {"Content-Type": "application/json", **auth})
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.load(r)
 def ask(route):
     return post(url, {"prompt": "across two sites", "max_tokens": 12, "pdx_route": route,
                       "return_token_ids": True, "ignore_eos": True})
 out = {"local": ask("local"), "through_proxy": ask("disaggregated")}
-with urllib.request.urlopen(control + "/stats", timeout=10) as r:
+with urllib.request.urlopen(urllib.request.Request(control + "/stats", headers=auth),
+                            timeout=10) as r:
     out["stats"] = json.load(r)
 post(control + "/link/down", {"mode": "reset"})
 out["link_down"] = ask("disaggregated")
@@ -319,7 +321,7 @@ async def test_kv_fault_proxy_binds_on_the_decode_side_under_netns() -> None:
         assert proxy["upstream"] == ["10.77.1.1", kv_port]
         client = await asyncio.to_thread(
             subprocess.run, [*in_decode, "-c", PROXY_CLIENT, ep["gateway"] + "/v1/completions",
-                             proxy["control"]],
+                             proxy["control"], proxy["control_token"]],
             capture_output=True, text=True, timeout=120,
         )  # fmt: skip
         assert client.returncode == 0, client.stderr

@@ -49,7 +49,9 @@ async def test_prefill_stores_the_real_kv_and_returns_the_first_token(node: Pref
     assert reply.kv_raw_bytes == state.nbytes and reply.kv_bytes >= state.nbytes
     assert reply.kv_endpoint == f"127.0.0.1:{node.kv_port}"
     assert reply.model_version == backend.model_version and reply.kv_id.startswith("kv1.")
-    async with KVClient(reply.kv_endpoint, KVClientConfig(kv_transfer_timeout_ms=5000)) as kv:
+    async with KVClient(
+        reply.kv_endpoint, KVClientConfig(kv_transfer_timeout_ms=5000, client_id="decode")
+    ) as kv:
         obj = await kv.get(reply.kv_id)
         layout = {"codec": obj.layout.codec, "shapes": obj.layout.shapes,
                   "tensor_bytes": obj.layout.tensor_bytes}  # fmt: skip
@@ -133,7 +135,9 @@ async def test_stream_answers_the_first_token_before_the_put_completes(node: Pre
     assert first.first.first_token == stored.first_token == int(logits.argmax())
     assert first.first.prefill_ms > 0 and first.first.model_version == backend.model_version
     assert stored.kv_id.startswith("kv1.") and stored.store_ms > 0
-    async with KVClient(stored.kv_endpoint, KVClientConfig(kv_transfer_timeout_ms=5000)) as kv:
+    async with KVClient(
+        stored.kv_endpoint, KVClientConfig(kv_transfer_timeout_ms=5000, client_id="decode")
+    ) as kv:
         obj = await kv.get(stored.kv_id)
         await kv.release(stored.kv_id)
     assert obj.info.size_bytes == stored.kv_bytes and stored.kv_raw_bytes == state.nbytes

@@ -19,10 +19,15 @@ def test_certs_init_then_refuses_to_overwrite(tmp_path: Path) -> None:
         app, ["certs", "init", str(d), "--name", "kv-store", "--name", "decode", "--json"]
     )
     assert ok.exit_code == 0, ok.output
-    files = json.loads(ok.stdout)["files"]
-    assert sorted(files) == sorted(
-        ["ca.pem", "ca.key", "kv-store.pem", "kv-store.key", "decode.pem", "decode.key"]
+    out = json.loads(ok.stdout)
+    assert sorted(out["files"]) == sorted(
+        ["ca.pem", "kv-store.pem", "kv-store.key", "decode.pem", "decode.key"]
     )
+    # the CA's private key is never in the directory handed to services
+    assert not (d / "ca.key").exists() and out["ca_key"] == str(
+        tmp_path / "certs.ca-key" / "ca.key"
+    )
+    assert (tmp_path / "certs.ca-key").stat().st_mode & 0o077 == 0
     again = runner.invoke(app, ["certs", "init", str(d)])
     assert again.exit_code == 2
     assert again.stderr.startswith("error: DIR:") and "refusing to overwrite" in again.stderr

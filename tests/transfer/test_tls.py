@@ -34,9 +34,9 @@ def test_init_certs_writes_ca_and_identities(certs: Path) -> None:
 
     names = sorted(p.name for p in certs.iterdir())
     assert names == sorted(
-        ["ca.pem", "ca.key"]
-        + [f"{n}.{e}" for n in ("kv-store", "prefill", "decode") for e in ("pem", "key")]
+        ["ca.pem"] + [f"{n}.{e}" for n in ("kv-store", "prefill", "decode") for e in ("pem", "key")]
     )
+    assert (certs.parent / f"{certs.name}.ca-key" / "ca.key").is_file()
     assert (certs / "decode.key").stat().st_mode & 0o077 == 0
     cert = x509.load_pem_x509_certificate((certs / "decode.pem").read_bytes())
     assert cert.subject.get_attributes_for_oid(x509.NameOID.COMMON_NAME)[0].value == "decode"

@@ -124,8 +124,7 @@ def make_conditions(
 
 def parse_direction(text: str, option: str) -> dict[str, Any]:
     """``delay_ms=30,loss=0.001`` → a dict of one direction's overrides (values as YAML)."""
-    import yaml
-
+    from pdx.config import yaml_value
     from pdx.errors import InputError
 
     out: dict[str, Any] = {}
@@ -137,8 +136,5 @@ def parse_direction(text: str, option: str) -> dict[str, Any]:
         if key not in LinkConditions.model_fields:
             known = ", ".join(LinkConditions.model_fields)
             raise InputError(option, key, f"one of {known}")
-        try:
-            out[key] = yaml.safe_load(value.strip())
-        except yaml.YAMLError:
-            raise InputError(option, item, "a plain value after '='") from None
+        out[key] = yaml_value(f"{option} {key}", value.strip())
     return out

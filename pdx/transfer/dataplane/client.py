@@ -96,9 +96,23 @@ class Endpoint:
             )
             conn.send_frame(Kind.HELLO, hello.SerializeToString())
             return conn
+        except (ssl.SSLEOFError, ssl.SSLZeroReturnError) as exc:
+            # Closed before the handshake finished: refused at the store's connection limit
+            # (a certificate the store rejects ends in an alert, not a bare close).
+            sock.close()
+            raise DataPlaneUnreachable(
+                KVErrorCode.KV_UNAVAILABLE,
+                f"data plane {self.host}:{self.port} closed the "
+                f"connection during the TLS handshake ({exc.reason or exc})",
+            ) from None
         except ssl.SSLError as exc:
             sock.close()
             raise KVError(KVErrorCode.KV_UNAUTHENTICATED, f"TLS: {exc.reason or exc}") from None
+        except ConnectionError as exc:
+            sock.close()
+            raise DataPlaneUnreachable(
+                KVErrorCode.KV_UNAVAILABLE, f"data plane {self.host}:{self.port}: {exc}"
+            ) from None
         except TimeoutError:
             sock.close()
             raise KVError(KVErrorCode.KV_TIMEOUT, "TLS handshake timed out") from None

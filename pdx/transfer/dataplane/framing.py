@@ -28,6 +28,11 @@ from pdx.transfer.contract import KVError, KVErrorCode
 VERSION = "pdx.kv.v1"
 FRAME = struct.Struct("<B3xIQQ")  # kind, index, digest, length
 MAX_CONTROL_BYTES = 16 * 1024 * 1024  # ObjectInfo lists up to 2**20 chunk digests
+# What the store accepts from a peer it does not yet trust, and per request kind.
+MAX_HELLO_BYTES = 4096
+MAX_REQUEST_BYTES = 1 << 20  # a PutHeader with a layout of many tensors
+MAX_TRAILER_BYTES = 1024
+PAYLOAD_PIECE_BYTES = 64 * 1024
 HANDSHAKE_TIMEOUT_S = 10.0
 IDLE_TIMEOUT_S = 60.0  # the store closes a connection with no request for this long
 DEFAULT_REQUEST_TIMEOUT_S = 300.0  # a request that names no deadline
@@ -174,6 +179,8 @@ class Conn:
         self._token = 0
         self.rtt_ms: float | None = None  # TCP's handshake RTT (client side)
         self.congestion_control: str | None = None
+        self.request_deadline = 0.0  # store side: the current request's deadline
+        self.stall_deadline = 0.0  # store side: when no progress ends the request
 
     def set_deadline(self, deadline: float | None) -> None:
         """Bound every later call by ``deadline`` (``time.monotonic()``; None = no bound)."""
@@ -288,15 +295,22 @@ class Conn:
         except ValueError:
             raise FrameError(f"unknown frame kind {kind}") from None
 
-    def recv_payload(self, length: int) -> bytes:
-        """A control payload of ``length`` bytes (bounded)."""
-        if length > MAX_CONTROL_BYTES:
-            raise FrameError(f"control frame of {length} bytes")
-        buf = bytearray(length)
-        self.recv_into(memoryview(buf))
+    def recv_payload(self, length: int, limit: int = MAX_CONTROL_BYTES) -> bytes:
+        """A control payload of ``length`` bytes, refused above ``limit``.
+
+        Memory grows as bytes arrive (a piece at a time), never from the length a header
+        claims: 250 headers claiming 16 MiB each and then silence cost a few KiB, not 4 GB.
+        """
+        if length > limit:
+            raise FrameError(f"control frame of {length} bytes (at most {limit})")
+        buf = bytearray()
+        while len(buf) < length:
+            piece = bytearray(min(PAYLOAD_PIECE_BYTES, length - len(buf)))
+            self.recv_into(memoryview(piece))
+            buf += piece
         return bytes(buf)
 
-    def recv_control(self, *expected: Kind) -> tuple[Kind, bytes]:
+    def recv_control(self, *expected: Kind, limit: int = MAX_CONTROL_BYTES) -> tuple[Kind, bytes]:
         """The next frame, which must be one of ``expected`` control kinds."""
         head = self.recv_header()
         assert head is not None
@@ -305,7 +319,7 @@ class Conn:
             raise FrameError(
                 f"got a {kind.name} frame, expected {'/'.join(k.name for k in expected)}"
             )
-        return kind, self.recv_payload(length)
+        return kind, self.recv_payload(length, limit)
 
     # --- closing ----------------------------------------------------------------------
 
@@ -383,14 +397,19 @@ def tls_handshake(
     """
     inc, out = ssl.MemoryBIO(), ssl.MemoryBIO()
     tls = ctx.wrap_bio(inc, out, server_side=server_side, server_hostname=hostname)
-    sock.settimeout(timeout_s)
+    deadline = time.monotonic() + timeout_s  # for the whole handshake, not per read
     while True:
         try:
             tls.do_handshake()
             break
         except ssl.SSLWantReadError:
             if out.pending:
+                sock.settimeout(max(0.001, deadline - time.monotonic()))
                 sock.sendall(out.read())
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("TLS handshake took too long") from None
+            sock.settimeout(left)
             data = sock.recv(65536)
             if not data:
                 raise ConnectionResetError("closed during the TLS handshake") from None

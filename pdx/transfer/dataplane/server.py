@@ -18,14 +18,20 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from google.protobuf.message import DecodeError
+
 from pdx._proto import kv_transfer_pb2 as pb
 from pdx.tcp import available_congestion_controls, buffer_limits, set_congestion_control
+from pdx.tls import peer_common_name
 from pdx.transfer.contract import KVError, KVErrorCode
 from pdx.transfer.dataplane.framing import (
     DEFAULT_REQUEST_TIMEOUT_S,
     FRAME,
     HANDSHAKE_TIMEOUT_S,
     IDLE_TIMEOUT_S,
+    MAX_HELLO_BYTES,
+    MAX_REQUEST_BYTES,
+    MAX_TRAILER_BYTES,
     VERSION,
     Conn,
     FrameError,
@@ -122,6 +128,113 @@ class GetOutcome:
     error: KVError | None = None
 
 
+@dataclass(frozen=True)
+class DataLimits:
+    """What the data plane grants a peer before and after it is trusted (KVStoreConfig)."""
+
+    max_connections: int = 256
+    max_unauthenticated: int = 64
+    max_connections_per_peer: int = 64
+    max_unauthenticated_per_peer: int = 8
+    handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S
+    max_request_timeout_s: float = DEFAULT_REQUEST_TIMEOUT_S
+    stall_timeout_s: float = 10.0
+
+
+class Admission:
+    """Connection counts per source address: a small pool for connections that have not yet
+    passed TLS and HELLO, per-peer caps on both, and the rest for authenticated ones, so a
+    flood from one address neither exhausts the store nor starves other peers."""
+
+    def __init__(self, limits: DataLimits) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self.total = 0
+        self.unauthenticated = 0
+        self._per_peer: dict[str, list[int]] = {}  # ip -> [all, unauthenticated]
+
+    def admit(self, ip: str) -> str | None:
+        """Count a new connection from ``ip``; why it is refused, or None."""
+        lim = self.limits
+        with self._lock:
+            mine = self._per_peer.setdefault(ip, [0, 0])
+            why = None
+            if self.total >= lim.max_connections:
+                why = f"{self.total} connections open (max_connections)"
+            elif self.unauthenticated >= lim.max_unauthenticated:
+                why = f"{self.unauthenticated} not yet authenticated (max_unauthenticated)"
+            elif mine[0] >= lim.max_connections_per_peer:
+                why = f"{mine[0]} connections from it (max_connections_per_peer)"
+            elif mine[1] >= lim.max_unauthenticated_per_peer:
+                why = f"{mine[1]} of its connections not yet authenticated"
+            if why is not None:
+                if mine == [0, 0]:
+                    del self._per_peer[ip]
+                return why
+            mine[0] += 1
+            mine[1] += 1
+            self.total += 1
+            self.unauthenticated += 1
+            return None
+
+    def authenticated(self, ip: str) -> None:
+        """The connection passed TLS and HELLO."""
+        with self._lock:
+            self._per_peer[ip][1] -= 1
+            self.unauthenticated -= 1
+
+    def leave(self, ip: str, *, authenticated: bool) -> None:
+        """The connection ended."""
+        with self._lock:
+            mine = self._per_peer[ip]
+            mine[0] -= 1
+            self.total -= 1
+            if not authenticated:
+                mine[1] -= 1
+                self.unauthenticated -= 1
+            if mine == [0, 0]:
+                del self._per_peer[ip]
+
+
+class _Every:
+    """At most ``per_s`` events a second pass; :meth:`take` says how many were left out."""
+
+    def __init__(self, per_s: int) -> None:
+        self.per_s = per_s
+        self._second = 0
+        self._count = 0
+        self._left_out = 0
+        self._lock = threading.Lock()
+
+    def take(self) -> int | None:
+        """None: leave this one out; else how many were left out since the last one passed."""
+        with self._lock:
+            now = int(time.monotonic())
+            if now != self._second:
+                self._second, self._count = now, 0
+            if self._count >= self.per_s:
+                self._left_out += 1
+                return None
+            self._count += 1
+            left_out, self._left_out = self._left_out, 0
+            return left_out
+
+
+class _OneLine:
+    """Log a recurring problem once a second at most (never a traceback per frame)."""
+
+    def __init__(self) -> None:
+        self._every = _Every(1)
+
+    def note(self, message: str) -> None:
+        left_out = self._every.take()
+        if left_out is not None:
+            log.warning("%s%s", message, f" ({left_out} more like it)" if left_out else "")
+
+
+REJECTS_PER_S = 20
+
+
 class DataServer:
     """The store's data-plane listener: one thread accepts, one thread per connection."""
 
@@ -133,15 +246,17 @@ class DataServer:
         port: int,
         *,
         ssl_context: ssl.SSLContext | None = None,
-        max_connections: int = 256,
         max_frame_bytes: int,
         congestion_control: str = "system",
         max_send_buffer_bytes: int = 0,
+        limits: DataLimits | None = None,
     ) -> None:
         self.service = service
         self.loop = loop
         self.ssl_context = ssl_context
-        self.max_connections = max_connections
+        self.limits = limits or DataLimits()
+        self.max_connections = self.limits.max_connections
+        self.admission = Admission(self.limits)
         self.max_frame_bytes = max_frame_bytes
         self.available_cc = set(available_congestion_controls())
         self.congestion_control = (
@@ -159,6 +274,8 @@ class DataServer:
         self._lock = threading.Lock()
         self._stopping = False
         self._acceptor = threading.Thread(target=self._accept_loop, name="pdx-kv-data", daemon=True)
+        self._reject_audit = _Every(REJECTS_PER_S)
+        self._refused = _OneLine()
 
     def start(self) -> None:
         """Start accepting."""
@@ -182,23 +299,38 @@ class DataServer:
     def _accept_loop(self) -> None:
         while not self._stopping:
             try:
-                sock, _ = self._listener.accept()
+                sock, addr = self._listener.accept()
             except OSError:
                 return  # listener closed
-            with self._lock:
-                full = len(self._threads) >= self.max_connections
-            if full:
-                log.warning("data plane: %d connections open, refusing one", self.max_connections)
-                sock.close()
+            ip = str(addr[0])
+            why = self.admission.admit(ip)
+            if why is not None:
+                self._refused.note(f"data plane: refused a connection from {ip}: {why}")
+                self.service.metrics.errors.labels(code="KV_OVERLOADED", side="store").inc()
+                self._refuse(sock, why)
                 continue
-            t = threading.Thread(target=self._serve, args=(sock,), name="pdx-kv-conn", daemon=True)
+            t = threading.Thread(
+                target=self._serve, args=(sock, ip), name="pdx-kv-conn", daemon=True
+            )
             with self._lock:
                 self._threads.add(t)
             t.start()
 
+    def _refuse(self, sock: socket.socket, why: str) -> None:
+        """Close a connection over the limits; a plaintext peer first reads why (one frame,
+        never waited for: the accept loop must not block on a peer that does not read)."""
+        with contextlib.suppress(OSError):
+            if self.ssl_context is None:
+                msg = f"data plane refused the connection: {why}"
+                err = KVError(KVErrorCode.KV_UNAVAILABLE, msg)
+                payload = error_payload(err)
+                sock.setblocking(False)
+                sock.send(FRAME.pack(Kind.ERROR, 0, 0, len(payload)) + payload)
+        sock.close()
+
     # --- one connection -----------------------------------------------------------------
 
-    def _serve(self, sock: socket.socket) -> None:
+    def _serve(self, sock: socket.socket, ip: str) -> None:
         conn: Conn | None = None
         try:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -207,10 +339,12 @@ class DataServer:
                     set_congestion_control(sock, self.congestion_control)
             conn = self._open(sock)
             if conn is not None:
+                self.admission.authenticated(ip)
                 self._requests(conn)
         except Exception:  # a bug must not kill the listener; the client sees the close
             log.exception("data plane connection failed")
         finally:
+            self.admission.leave(ip, authenticated=conn is not None)
             if conn is not None:
                 with self._lock:
                     self._conns.discard(conn)
@@ -225,24 +359,28 @@ class DataServer:
         """TLS handshake (if any) and HELLO; rejected peers are audited and closed."""
         peer = peer_name(sock)
         who = "anonymous"
+        # One deadline for TLS and HELLO together: a peer trickling a byte at a time cannot
+        # hold an unauthenticated slot longer than handshake_timeout_s.
+        deadline = time.monotonic() + self.limits.handshake_timeout_s
         try:
             conn: Conn
             if self.ssl_context is not None:
-                conn = tls_handshake(sock, self.ssl_context, server_side=True)
-                from pdx.tls import peer_common_name
-
+                conn = tls_handshake(
+                    sock, self.ssl_context, server_side=True,
+                    timeout_s=self.limits.handshake_timeout_s,
+                )  # fmt: skip
                 cn = peer_common_name(conn)
                 if cn:
                     who = "cn=" + cn
             else:
                 conn = Conn(sock)
-            conn.set_deadline(time.monotonic() + HANDSHAKE_TIMEOUT_S)
-            _, payload = conn.recv_control(Kind.HELLO)
+            conn.set_deadline(deadline)
+            _, payload = conn.recv_control(Kind.HELLO, limit=MAX_HELLO_BYTES)
             hello = pb.DataHello.FromString(payload)
         except ssl.SSLError as exc:
             self._audit_reject(peer, KVErrorCode.KV_UNAUTHENTICATED, f"TLS: {exc.reason or exc}")
             return None
-        except (OSError, FrameError, ValueError) as exc:
+        except (OSError, FrameError, ValueError, DecodeError) as exc:
             self._audit_reject(peer, KVErrorCode.KV_INVALID, f"no HELLO: {exc}")
             return None
         if hello.version != VERSION:
@@ -276,7 +414,12 @@ class DataServer:
                 conn.sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, want)
 
     def _audit_reject(self, peer: str, code: KVErrorCode, reason: str) -> None:
+        """Audit a refused peer; past ``REJECTS_PER_S`` a second the rest are only counted,
+        and the next record says how many were left out (a flood cannot grow the log)."""
         self.service.metrics.errors.labels(code=code.value, side="store").inc()
+        left_out = self._reject_audit.take()
+        if left_out is None:
+            return
         self.loop.call_soon_threadsafe(
             lambda: self.service.audit.record(
                 "connect",
@@ -285,6 +428,7 @@ class DataServer:
                 transport="data",
                 outcome=code.value,
                 reason=reason,
+                left_out=left_out or None,
             )
         )
 
@@ -299,11 +443,19 @@ class DataServer:
                 kind, _, _, length = head
                 if kind is not Kind.REQUEST:
                     raise FrameError(f"got a {kind.name} frame, expected REQUEST")
-                request = pb.DataRequest.FromString(conn.recv_payload(length))
+                request = pb.DataRequest.FromString(conn.recv_payload(length, MAX_REQUEST_BYTES))
+            except DecodeError:
+                self._refused.note(f"data plane: a DataRequest from {conn.peer} did not parse")
+                self._send_error(conn, KVError(KVErrorCode.KV_INVALID, "not a DataRequest"))
+                return
             except (OSError, FrameError, ValueError):
                 return  # idle timeout, client gone, or garbage: nothing to answer
-            timeout_s = request.timeout_ms / 1000 if request.timeout_ms else None
-            deadline = time.monotonic() + (timeout_s or DEFAULT_REQUEST_TIMEOUT_S)
+            # The client's deadline, never more than the store allows (a peer that names
+            # 49 days cannot hold a slot that long).
+            cap_s = self.limits.max_request_timeout_s
+            timeout_s = min(request.timeout_ms / 1000, cap_s) if request.timeout_ms else cap_s
+            deadline = time.monotonic() + timeout_s
+            conn.request_deadline = deadline
             conn.set_deadline(deadline + 0.5)  # the client gives up first
             op = request.WhichOneof("op")
             if op == "put":
@@ -315,6 +467,25 @@ class DataServer:
                 ok = False
             if not ok:
                 return
+
+    def _progress(self, conn: Conn) -> None:
+        """Stall detection: the next frame must move within ``stall_timeout_s`` (and the whole
+        request within its deadline), else the watchdog ends the connection. The deadline is
+        pushed forward at most every second, not per chunk."""
+        now = time.monotonic()
+        stall = self.limits.stall_timeout_s
+        if now + stall - conn.stall_deadline < 1.0:
+            return
+        conn.stall_deadline = min(now + stall, conn.request_deadline + 0.5)
+        conn.set_deadline(conn.stall_deadline)
+
+    def _stalled(self, conn: Conn, kv_id: str, resume: int | None) -> KVError | None:
+        """The watchdog ended a request before its deadline: it made no progress."""
+        if not conn.expired or time.monotonic() >= conn.request_deadline:
+            return None
+        stall = self.limits.stall_timeout_s
+        return KVError(KVErrorCode.KV_TIMEOUT, f"no progress for {stall:g} s", kv_id=kv_id,
+                       resume_chunk=resume)  # fmt: skip
 
     def _send_error(self, conn: Conn, exc: BaseException) -> None:
         if not isinstance(exc, KVError):
@@ -350,8 +521,9 @@ class DataServer:
         except KVError as exc:
             outcome.error = exc
         except (OSError, FrameError) as exc:
-            outcome.error = connection_error(
-                exc, obj.kv_id, header.start_chunk + len(outcome.chunks)
+            resume = header.start_chunk + len(outcome.chunks)
+            outcome.error = self._stalled(conn, obj.kv_id, resume) or connection_error(
+                exc, obj.kv_id, resume
             )
         handoff.deliver(outcome)
         try:
@@ -371,15 +543,19 @@ class DataServer:
         """CHUNK frames from ``start_chunk`` on, each checked, then END (and a trailer)."""
         index = header.start_chunk
         while True:
+            self._progress(conn)
             head = conn.recv_header()
             assert head is not None
             kind, got_index, digest, length = head
             if kind is Kind.END:
                 return
             if kind is Kind.TRAILER and header.digest_in_trailer and out.trailer_digest is None:
-                out.trailer_digest = pb.PutTrailer.FromString(
-                    conn.recv_payload(length)
-                ).object_digest
+                try:
+                    out.trailer_digest = pb.PutTrailer.FromString(
+                        conn.recv_payload(length, MAX_TRAILER_BYTES)
+                    ).object_digest
+                except DecodeError:
+                    raise _corrupt(obj.kv_id, index, "the trailer did not parse") from None
                 continue
             if kind is not Kind.CHUNK or out.trailer_digest is not None:
                 raise _corrupt(obj.kv_id, index, f"got a {kind.name} frame, expected a chunk")
@@ -413,11 +589,14 @@ class DataServer:
         try:
             conn.send_frame(Kind.INFO, info.SerializeToString())
             for index, digest, data in chunks:
+                self._progress(conn)
                 conn.send_chunk(index, digest, data)
                 outcome.nbytes += len(data)
                 outcome.chunks += 1
         except (OSError, TimeoutError) as exc:
-            outcome.error = connection_error(exc, request.kv_id, None)
+            outcome.error = self._stalled(conn, request.kv_id, None) or connection_error(
+                exc, request.kv_id, None
+            )
         handoff.deliver(outcome)
         with contextlib.suppress(BaseException):
             call.result(timeout=30)
