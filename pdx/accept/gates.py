@@ -328,7 +328,7 @@ async def collect(
             samples["steady_ttft_ms"] = burst.pop("_steady_ttft_ms")
             facts.update(burst, idle_s=idle_s)
     if ctx.audit_dir is None or ctx.stranded_bound_s is None:
-        missing.append("kv_stranded_max_s: no KV store audit log (target.url)")
+        missing.append("kv_stranded_max_s: no KV store audit log (target.url or engine: vllm)")
     else:
         audit = read_jsonl(sorted(ctx.audit_dir.glob("kv-store-*.jsonl")))
         records = read_jsonl(sorted(ctx.audit_dir.glob("decode-*-requests.jsonl")))

@@ -112,6 +112,12 @@ class Condition(BaseModel):
     bandwidth_mbps: PositiveFloat | None = None
     link_down_at_s: Annotated[float, Field(ge=0)] | None = None
     link_down_for_s: PositiveFloat | None = None
+    kill_prefill_at_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
+        default=None,
+        description="SIGKILL prefill instance kill_prefill_index (its process group) this long "
+        "into the step; the deploy restarts it (see pdx/accept/engine_faults.py)",
+    )
+    kill_prefill_index: Annotated[int, Field(ge=0)] = 0
     idle_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = Field(
         default=0.0, description="idle-gap: seconds with no request before the step's load"
     )
@@ -306,6 +312,16 @@ class Playbook(BaseModel):
             raise ValueError("preflight.probe_link needs target.deploy (pdx must own the KV link)")
         for name in self.matrix.network:
             c = self.conditions[name]
+            if c.kill_prefill_at_s is not None and self.target.url:
+                raise ValueError(
+                    f"conditions.{name}.kill_prefill_at_s needs target.deploy (pdx must own "
+                    "the prefill process)"
+                )
+            if c.kill_prefill_at_s is not None and c.kill_prefill_at_s >= self.matrix.duration_s:
+                raise ValueError(
+                    f"conditions.{name}.kill_prefill_at_s must be < matrix.duration_s "
+                    f"({c.kill_prefill_at_s} >= {self.matrix.duration_s})"
+                )
             if c.link_down_at_s is not None and c.link_down_at_s >= self.matrix.duration_s:
                 raise ValueError(
                     f"conditions.{name}.link_down_at_s must be < matrix.duration_s "

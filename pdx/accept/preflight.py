@@ -26,6 +26,15 @@ def deployed_model(pb: Playbook, playbook_dir: Path) -> tuple[Any, str, str]:
     if pb.preflight.model_preset:
         return load_preset(pb.preflight.model_preset), "bf16", "preflight.model_preset"
     cfg = deploy_config(pb, playbook_dir)
+    if cfg.engine == "vllm":  # the engine's model, in the KV dtype vLLM keeps (bf16 here)
+        name = cfg.vllm.model
+        if name in TINY_PRESETS:
+            return (
+                ModelSource(name=name, config=tiny_config_json(name)),
+                "bf16",
+                "deploy vllm.model",
+            )
+        return load_model_dir(Path(name)), "bf16", "deploy vllm.model (checkpoint)"
     model = cfg.model
     if model.checkpoint:
         # The CPU backend loads checkpoints in fp32 (bf16 on CUDA); KV travels in that dtype.
@@ -67,11 +76,25 @@ def measure_kv(pb: Playbook, playbook_dir: Path, qps: float) -> dict[str, Any]:
         link = LinkParams(
             qps=max(qps, 0.001), link_gbps=pb.preflight.link_gbps, prefill_tflops=400.0
         )
-        result = asdict(run_measure(source, MeasureOptions(dtype=dtype, seqs=seqs, link=link)))
+        opts = MeasureOptions(
+            dtype=dtype, seqs=seqs, link=link, **_engine_options(pb, playbook_dir)
+        )
+        result = asdict(run_measure(source, opts))
     except PdxError as exc:
         return {"error": str(exc)}
     result.pop("layers", None)  # per-layer detail: `pdx measure-kv` prints it
     return {"model": source.name, "dtype": dtype, "model_from": how, "result": result}
+
+
+def _engine_options(pb: Playbook, playbook_dir: Path) -> dict[str, Any]:
+    """measure-kv's --engine/--device/--block-size for a vLLM deploy: the bytes NIXL moves."""
+    if pb.preflight.model_preset or pb.target.deploy is None:
+        return {}
+    cfg = deploy_config(pb, playbook_dir)
+    if cfg.engine != "vllm":
+        return {}
+    device = "gpu" if cfg.vllm.device == "cuda" else "cpu"
+    return {"engine": "vllm", "device": device, "block_size": cfg.vllm.block_size}
 
 
 def kv_bytes_per_request(measured: dict[str, Any] | None) -> tuple[int, int] | None:

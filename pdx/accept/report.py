@@ -340,12 +340,17 @@ def _fault_lines(report: Report) -> list[str]:
         if not s.proxy and not s.fault_events:
             continue
         p = s.proxy or {}
-        lines.append(
-            f"- **{s.id}** ({s.network}): proxy forwarded {p.get('bytes_total', 0)} B over "
+        link = (
+            f"proxy forwarded {p.get('bytes_total', 0)} B over "
             f"{p.get('connections', 0)} connection(s); toxics acted on {p.get('toxic_bytes', 0)} B "
             f"in {p.get('toxic_events', 0)} chunk(s); "
             f"link-down events {p.get('link_down_events', 0)}, "
             f"connections refused {p.get('connections_refused', 0)}; "
+            if s.proxy
+            else ""  # a fault on the processes (a killed prefill), not on the link
+        )
+        lines.append(
+            f"- **{s.id}** ({s.network}): {link}"
             f"service: {s.summary.get('retries', 0)} retries, "
             f"{s.summary.get('degraded', 0)} degraded "
             f"({s.summary.get('degrade_reasons') or {}}), "

@@ -171,7 +171,9 @@ class AcceptRun:
         if any(item.startswith("kv.audit_dir=") for item in t.deploy_set):
             return t
         audit = (self.raw_dir / "kv-audit").resolve()
-        return t.model_copy(update={"deploy_set": [*t.deploy_set, f"kv.audit_dir={audit}"]})
+        engines = (self.raw_dir / "engines").resolve()  # engine: vllm keeps instance logs here
+        extra = [f"kv.audit_dir={audit}", f"vllm.log_dir={engines}"]
+        return t.model_copy(update={"deploy_set": [*t.deploy_set, *extra]})
 
     def _audit_dir(self) -> Path | None:
         if self.pb.target.deploy is None:
@@ -179,7 +181,10 @@ class AcceptRun:
         from pdx.accept.preflight import deploy_config
 
         pb = self.pb.model_copy(update={"target": self._with_audit(self.pb.target)})
-        configured = deploy_config(pb, self.playbook_dir).kv
+        cfg = deploy_config(pb, self.playbook_dir)
+        if cfg.engine != "pdx":  # an engine keeps no pdx KV store, hence no audit log
+            return None
+        configured = cfg.kv
         return Path(configured.audit_dir) if configured.audit_dir else None
 
     def _transfer_deadline_s(self, fixed_ms: float | None, probe: dict[str, Any]) -> float:
@@ -315,6 +320,7 @@ class AcceptRun:
         t0 = time.time()
         if self.link is not None:
             await self.link.apply(cond, t0)
+        kill = self._schedule_kill(cond, t0)
         self.locust = LocustRun(locustfile, step_dir / "locust.log")
         args = step_args(self.pb, step, self.url, step_dir)
         run = asyncio.create_task(
@@ -338,7 +344,24 @@ class AcceptRun:
             step, step_dir, t0, rc, (before, after), (proxy_before, proxy_after), resources, gate
         )
         outcome.report.kernel = kernel
+        if kill is not None:
+            outcome.report.fault_events.append(await kill)
+            outcome.report.recovery_s = recovery_s(
+                outcome.report.timeline, float(cond.kill_prefill_at_s or 0.0), 0.0
+            )
         return outcome
+
+    def _schedule_kill(self, cond: Any, t0: float) -> asyncio.Task[dict[str, Any]] | None:
+        """The step's prefill kill (kill_prefill_at_s), as a task, when it has one."""
+        if cond.kill_prefill_at_s is None or self.deploy is None or self.deploy.pid is None:
+            return None
+        from pdx.accept.engine_faults import kill_prefill
+
+        endpoints = self.raw_dir / "deploy-endpoints.json"
+        return asyncio.create_task(
+            kill_prefill(self.deploy.pid, endpoints, cond.kill_prefill_index,
+                         cond.kill_prefill_at_s, t0)
+        )  # fmt: skip
 
     async def _collect_gates(self, step: Step, step_dir: Path, t0: float) -> StepGates | None:
         """The step's gate facts: silent fallback, replay, stranded KV, overdue, idle burst."""

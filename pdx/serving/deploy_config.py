@@ -272,9 +272,23 @@ class VLLMConfig(BaseModel):
         1, ge=0, description="CPU: cores pinned to each instance in turn (0: vLLM's own choice)"
     )
     nixl_progress_delay_us: int = Field(
-        10_000,
+        1000,
         ge=0,
-        description="NIXL progress thread's idle wait (0: NIXL's busy spin); see docs/deploy.md",
+        description="NIXL progress thread's longest idle wait (0: NIXL's busy spin); see "
+        "docs/deploy.md",
+    )
+    shm_busy_loop_s: float = Field(
+        0.02,
+        ge=0,
+        le=10,
+        description="how long vLLM's engine core and workers spin after each message between "
+        "them before sleeping (vLLM's own: 1 s; 0 stalls, see docs/deploy.md)",
+    )
+    shm_recheck_ms: int = Field(
+        50,
+        ge=0,
+        description="a sleeping engine core or worker looks for work at least this often "
+        "(vLLM's own: 5000 ms, how long a missed wake-up stalls it; 0: vLLM's)",
     )
     ucx_tls: str | None = Field(
         "auto", description="UCX_TLS for NIXL (auto: tcp,self on CPU, UCX's choice on GPU)"
@@ -293,6 +307,9 @@ class VLLMConfig(BaseModel):
     )
     ready_timeout_s: float = Field(
         600.0, gt=0, description="an instance's start, compile included, must fit in this"
+    )
+    log_dir: Path | None = Field(
+        None, description="keep each instance's log here (<name>.log); null = the work directory"
     )
     args: list[str] = Field(default_factory=list, description="more vLLM arguments, both roles")
     prefill_args: list[str] = Field(default_factory=list)

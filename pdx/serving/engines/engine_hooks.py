@@ -1,0 +1,169 @@
+"""Start-up hooks for the vLLM environment: threads that spin while they have nothing to do.
+
+This module runs inside the engine's own Python (``make vllm`` installs it into
+``.venv-vllm`` as ``pdx_engine_hooks`` with a ``.pth`` line that imports it at interpreter
+start); it uses the standard library only and never imports pdx. Each hook acts only when
+its environment variable is set (pdx sets them for the instances it starts), and only on the
+module it names, right after that module is imported.
+
+``PDX_NIXL_PROGRESS_DELAY_US`` — NIXL's Python wrapper (``nixl_agent``, 1.5.x) builds its
+agent config with ``pthrDelay = 0``; the UCX backend's shared progress thread passes that
+delay to ``poll()`` as its timeout, so it never blocks: one core per vLLM instance at 100 %
+with no request at all (measured here: 98 % of a core per idle instance). With the variable
+set, an agent config whose ``pthrDelay`` is 0 gets that many microseconds instead. The thread
+then blocks in ``poll()`` on the UCX worker's event descriptor (armed before each wait) and
+wakes at once when UCX has work; the delay only bounds a wait in which no event arrives.
+
+``PDX_VLLM_SHM_BUSY_LOOP_S`` — vLLM's shared-memory message queue between its engine core
+and its workers (``shm_broadcast.SpinCondition``) keeps a reader spinning on
+``sched_yield()`` for ``busy_loop_s = 1`` second after every read before it sleeps on its
+ZeroMQ notification socket. A request every second keeps the engine core and the worker of
+each instance spinning for good: on a machine with fewer cores than spinning threads they
+take the time the forward passes need. With the variable set, that window is its value.
+
+``PDX_VLLM_SHM_RECHECK_MS`` — a reader asleep on that notification socket also wakes every
+``SHM_READER_RECHECK_INTERVAL_MS`` (5,000 ms) to look at the buffer. A notification is
+sometimes not seen (measured here: a reader sleeping through a write for the whole 5 s, every
+request behind it waiting; with a 0 busy window it happens on most requests, so 0 is not a
+setting to use). With the variable set, the reader looks at least that often, so a missed
+notification costs at most that long.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import os
+import re
+import sys
+from collections.abc import Callable
+from types import ModuleType
+from typing import Any
+
+NIXL_ENV = "PDX_NIXL_PROGRESS_DELAY_US"
+SHM_ENV = "PDX_VLLM_SHM_BUSY_LOOP_S"
+RECHECK_ENV = "PDX_VLLM_SHM_RECHECK_MS"
+
+
+def _env_number(name: str) -> float | None:
+    """The variable as a non-negative number; None when unset or not a number."""
+    raw = os.environ.get(name)
+    if raw is None or raw == "":
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        return None
+    return value if value >= 0 else None
+
+
+class _AgentFactory:
+    """Stands in for the bindings module inside ``_api``: only ``nixlAgent`` is changed."""
+
+    def __init__(self, bindings: ModuleType, delay_us: int) -> None:
+        self._bindings = bindings
+        self._delay_us = delay_us
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._bindings, name)
+
+    def nixlAgent(self, name: str, config: Any) -> Any:  # the bindings' own name
+        if getattr(config, "pthrDelay", None) == 0:
+            config.pthrDelay = self._delay_us
+        return self._bindings.nixlAgent(name, config)
+
+
+def patch_nixl(module: ModuleType, delay_us: int) -> bool:
+    """Wrap ``module.nixlBind`` (NIXL's bindings as ``_api`` names them); True if patched."""
+    bindings = getattr(module, "nixlBind", None)
+    if bindings is None or isinstance(bindings, _AgentFactory) or delay_us <= 0:
+        return False
+    module.nixlBind = _AgentFactory(bindings, delay_us)  # type: ignore[attr-defined]
+    return True
+
+
+def patch_shm(module: ModuleType, busy_loop_s: float) -> bool:
+    """Make ``SpinCondition`` readers spin ``busy_loop_s`` (not 1 s) after a read."""
+    cls = getattr(module, "SpinCondition", None)
+    init = getattr(cls, "__init__", None)
+    if cls is None or init is None or getattr(init, "_pdx_patched", False):
+        return False
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **kwargs)
+        if getattr(self, "is_reader", False):
+            self.busy_loop_s = busy_loop_s
+
+    __init__._pdx_patched = True  # type: ignore[attr-defined]
+    cls.__init__ = __init__
+    return True
+
+
+def _nixl(module: ModuleType) -> None:
+    delay = _env_number(NIXL_ENV)
+    if delay:
+        patch_nixl(module, int(delay))
+
+
+def patch_recheck(module: ModuleType, recheck_ms: int) -> bool:
+    """Shorten the shared-memory readers' periodic recheck (vLLM's: 5,000 ms)."""
+    if not hasattr(module, "SHM_READER_RECHECK_INTERVAL_MS") or recheck_ms <= 0:
+        return False
+    module.SHM_READER_RECHECK_INTERVAL_MS = recheck_ms  # type: ignore[attr-defined]
+    return True
+
+
+def _shm(module: ModuleType) -> None:
+    busy = _env_number(SHM_ENV)
+    if busy is not None:
+        patch_shm(module, busy)
+    recheck = _env_number(RECHECK_ENV)
+    if recheck:
+        patch_recheck(module, max(1, int(recheck)))
+
+
+# module name pattern → its hook, and the variables that turn it on
+HOOKS: list[tuple[re.Pattern[str], Callable[[ModuleType], None], tuple[str, ...]]] = [
+    (re.compile(r"^nixl(_cu\d+|_rocm)?\._api$"), _nixl, (NIXL_ENV,)),
+    (re.compile(r"^vllm\.distributed\.device_communicators\.shm_broadcast$"), _shm,
+     (SHM_ENV, RECHECK_ENV)),
+]  # fmt: skip
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, inner: importlib.abc.Loader, hook: Callable[[ModuleType], None]) -> None:
+        self._inner, self._hook = inner, hook
+
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType | None:
+        return self._inner.create_module(spec)
+
+    def exec_module(self, module: ModuleType) -> None:
+        self._inner.exec_module(module)
+        self._hook(module)
+
+
+class _Finder(importlib.abc.MetaPathFinder):
+    def find_spec(
+        self, fullname: str, path: Any = None, target: ModuleType | None = None
+    ) -> importlib.machinery.ModuleSpec | None:
+        hook = next((h for pattern, h, _ in HOOKS if pattern.match(fullname)), None)
+        if hook is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(fullname, path, target)
+            if spec is not None and spec.loader is not None:
+                spec.loader = _Loader(spec.loader, hook)
+                return spec
+        return None
+
+
+def install() -> None:
+    """Register the import hook once, when any of the variables is set."""
+    wanted = any(os.environ.get(env) for _, _, envs in HOOKS for env in envs)
+    if wanted and not any(isinstance(f, _Finder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _Finder())
+
+
+install()
