@@ -1,8 +1,9 @@
 """Prometheus metrics from the target: scrape, parse, and take differences between snapshots.
 
-Parsing uses prometheus_client's text parser. A snapshot maps ``name{label="v",...}`` to a float;
-counter families keep their ``_total`` sample names, histograms their
-``_bucket``/``_sum``/``_count``.
+Parsing uses prometheus_client's text parser. A snapshot keeps pdx's own series (``pdx_``) and
+the engines' series the gateway re-exposes (``vllm:``, labelled with ``pdx_instance``); it maps
+``name{label="v",...}`` to a float; counter families keep their ``_total`` sample names,
+histograms their ``_bucket``/``_sum``/``_count``.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 @dataclass
 class Snapshot:
-    """Every ``pdx_`` sample from one scrape, with the wall time it was taken."""
+    """Every pdx and engine sample from one scrape, with the wall time it was taken."""
 
     t_s: float
     samples: dict[str, float] = field(default_factory=dict)
@@ -54,8 +55,14 @@ def split_key(key: str) -> tuple[str, dict[str, str]]:
     return name, labels
 
 
-def parse_metrics(text: str, *, prefix: str = "pdx_") -> dict[str, float]:
-    """Samples whose name starts with ``prefix`` from Prometheus text exposition."""
+# pdx's series, and vLLM's as the gateway of an engine: vllm deploy merges them in.
+TARGET_PREFIXES = ("pdx_", "vllm:")
+
+
+def parse_metrics(
+    text: str, *, prefix: str | tuple[str, ...] = TARGET_PREFIXES
+) -> dict[str, float]:
+    """Samples whose name starts with ``prefix`` (one or several) from Prometheus text."""
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:

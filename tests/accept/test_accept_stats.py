@@ -50,6 +50,21 @@ def test_metrics_delta_from_real_exposition() -> None:
     assert after.total("pdx_gateway_degradations_total") == 6
 
 
+def test_engine_series_merged_by_the_gateway_are_kept_per_instance() -> None:
+    from pdx.serving.engines.metrics import merge
+
+    def engine(transferred: float) -> str:
+        reg = CollectorRegistry()
+        h = Histogram("vllm:nixl_bytes_transferred", "bytes", registry=reg)
+        h.observe(transferred)
+        return generate_latest(reg).decode()
+
+    before = parse_metrics(merge([("decode-0", engine(100.0))]).decode())
+    after = parse_metrics(merge([("decode-0", engine(4196.0))]).decode())
+    d = delta(Snapshot(0.0, before), Snapshot(1.0, after))
+    assert d['vllm:nixl_bytes_transferred_sum{pdx_instance="decode-0"}'] == 4096.0
+
+
 def _rows(ttfts: list[float], *, failed: int = 0, pdx: dict | None = None) -> list[dict]:
     rows = [
         {"t_intended_s": 100.0 + i, "ok": True, "ttft_ms": t, "tpot_ms": 2.0, "itl_ms": [2.0],
