@@ -21,6 +21,7 @@ class KVErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_UNAVAILABLE: _ClassVar[KVErrorCode]
     KV_UNAUTHENTICATED: _ClassVar[KVErrorCode]
     KV_INTERNAL: _ClassVar[KVErrorCode]
+    KV_INCOMPLETE: _ClassVar[KVErrorCode]
 KV_ERROR_UNSPECIFIED: KVErrorCode
 KV_NOT_FOUND: KVErrorCode
 KV_EXPIRED: KVErrorCode
@@ -33,6 +34,7 @@ KV_INVALID: KVErrorCode
 KV_UNAVAILABLE: KVErrorCode
 KV_UNAUTHENTICATED: KVErrorCode
 KV_INTERNAL: KVErrorCode
+KV_INCOMPLETE: KVErrorCode
 
 class TensorShape(_message.Message):
     __slots__ = ("dims",)
@@ -57,7 +59,7 @@ class Layout(_message.Message):
     def __init__(self, num_layers: _Optional[int] = ..., dtype: _Optional[str] = ..., shapes: _Optional[_Iterable[_Union[TensorShape, _Mapping]]] = ..., codec: _Optional[str] = ..., tensor_bytes: _Optional[_Iterable[int]] = ..., roles: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ObjectInfo(_message.Message):
-    __slots__ = ("kv_id", "model_version", "created_at_ms", "ttl_s", "layout", "size_bytes", "chunk_size_bytes", "num_chunks", "object_digest", "expires_at_ms", "chunk_digests")
+    __slots__ = ("kv_id", "model_version", "created_at_ms", "ttl_s", "layout", "size_bytes", "chunk_size_bytes", "num_chunks", "object_digest", "expires_at_ms", "chunk_digests", "writing", "chunks_stored", "tail")
     KV_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CREATED_AT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -69,6 +71,9 @@ class ObjectInfo(_message.Message):
     OBJECT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EXPIRES_AT_MS_FIELD_NUMBER: _ClassVar[int]
     CHUNK_DIGESTS_FIELD_NUMBER: _ClassVar[int]
+    WRITING_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_STORED_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
     kv_id: str
     model_version: str
     created_at_ms: int
@@ -80,7 +85,10 @@ class ObjectInfo(_message.Message):
     object_digest: int
     expires_at_ms: int
     chunk_digests: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, kv_id: _Optional[str] = ..., model_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., ttl_s: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., size_bytes: _Optional[int] = ..., chunk_size_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., object_digest: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[int]] = ...) -> None: ...
+    writing: bool
+    chunks_stored: int
+    tail: bytes
+    def __init__(self, kv_id: _Optional[str] = ..., model_version: _Optional[str] = ..., created_at_ms: _Optional[int] = ..., ttl_s: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., size_bytes: _Optional[int] = ..., chunk_size_bytes: _Optional[int] = ..., num_chunks: _Optional[int] = ..., object_digest: _Optional[int] = ..., expires_at_ms: _Optional[int] = ..., chunk_digests: _Optional[_Iterable[int]] = ..., writing: _Optional[bool] = ..., chunks_stored: _Optional[int] = ..., tail: _Optional[bytes] = ...) -> None: ...
 
 class Chunk(_message.Message):
     __slots__ = ("index", "digest", "data")
@@ -114,11 +122,29 @@ class PutHeader(_message.Message):
     digest_in_trailer: bool
     def __init__(self, model_version: _Optional[str] = ..., ttl_s: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., size_bytes: _Optional[int] = ..., chunk_size_bytes: _Optional[int] = ..., object_digest: _Optional[int] = ..., upload_token: _Optional[bytes] = ..., start_chunk: _Optional[int] = ..., digest_in_trailer: _Optional[bool] = ...) -> None: ...
 
+class OpenRequest(_message.Message):
+    __slots__ = ("header",)
+    HEADER_FIELD_NUMBER: _ClassVar[int]
+    header: PutHeader
+    def __init__(self, header: _Optional[_Union[PutHeader, _Mapping]] = ...) -> None: ...
+
+class OpenResponse(_message.Message):
+    __slots__ = ("info",)
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    info: ObjectInfo
+    def __init__(self, info: _Optional[_Union[ObjectInfo, _Mapping]] = ...) -> None: ...
+
 class PutTrailer(_message.Message):
-    __slots__ = ("object_digest",)
+    __slots__ = ("object_digest", "size_bytes", "layout", "tail")
     OBJECT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LAYOUT_FIELD_NUMBER: _ClassVar[int]
+    TAIL_FIELD_NUMBER: _ClassVar[int]
     object_digest: int
-    def __init__(self, object_digest: _Optional[int] = ...) -> None: ...
+    size_bytes: int
+    layout: Layout
+    tail: bytes
+    def __init__(self, object_digest: _Optional[int] = ..., size_bytes: _Optional[int] = ..., layout: _Optional[_Union[Layout, _Mapping]] = ..., tail: _Optional[bytes] = ...) -> None: ...
 
 class PutRequest(_message.Message):
     __slots__ = ("header", "chunk", "trailer")

@@ -39,6 +39,11 @@ class KVStoreStub:
                 request_serializer=kv__transfer__pb2.DataPlaneRequest.SerializeToString,
                 response_deserializer=kv__transfer__pb2.DataPlaneResponse.FromString,
                 _registered_method=True)
+        self.Open = channel.unary_unary(
+                '/pdx.kv.v1.KVStore/Open',
+                request_serializer=kv__transfer__pb2.OpenRequest.SerializeToString,
+                response_deserializer=kv__transfer__pb2.OpenResponse.FromString,
+                _registered_method=True)
         self.Put = channel.stream_unary(
                 '/pdx.kv.v1.KVStore/Put',
                 request_serializer=kv__transfer__pb2.PutRequest.SerializeToString,
@@ -71,6 +76,13 @@ class KVStoreServicer:
 
     def DataPlane(self, request, context):
         """Where the bulk data plane listens (see above).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Open(self, request, context):
+        """Create a streamed object that can be read while it is written (see OpenRequest).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -113,6 +125,11 @@ def add_KVStoreServicer_to_server(servicer, server):
                     servicer.DataPlane,
                     request_deserializer=kv__transfer__pb2.DataPlaneRequest.FromString,
                     response_serializer=kv__transfer__pb2.DataPlaneResponse.SerializeToString,
+            ),
+            'Open': grpc.unary_unary_rpc_method_handler(
+                    servicer.Open,
+                    request_deserializer=kv__transfer__pb2.OpenRequest.FromString,
+                    response_serializer=kv__transfer__pb2.OpenResponse.SerializeToString,
             ),
             'Put': grpc.stream_unary_rpc_method_handler(
                     servicer.Put,
@@ -167,6 +184,33 @@ class KVStore:
             '/pdx.kv.v1.KVStore/DataPlane',
             kv__transfer__pb2.DataPlaneRequest.SerializeToString,
             kv__transfer__pb2.DataPlaneResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Open(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdx.kv.v1.KVStore/Open',
+            kv__transfer__pb2.OpenRequest.SerializeToString,
+            kv__transfer__pb2.OpenResponse.FromString,
             options,
             channel_credentials,
             insecure,

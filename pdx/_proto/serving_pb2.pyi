@@ -70,7 +70,7 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., codec: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("kv_id", "first_token", "kv_endpoint", "kv_bytes", "kv_raw_bytes", "prefill_ms", "store_ms", "queue_ms", "model_version", "codec")
+    __slots__ = ("kv_id", "first_token", "kv_endpoint", "kv_bytes", "kv_raw_bytes", "prefill_ms", "store_ms", "queue_ms", "model_version", "codec", "kv_overlap_bytes", "kv_overlap_ms", "kv_streamed")
     KV_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,9 @@ class PrefillReply(_message.Message):
     QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
     MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    KV_OVERLAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_OVERLAP_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
     kv_id: str
     first_token: int
     kv_endpoint: str
@@ -91,7 +94,10 @@ class PrefillReply(_message.Message):
     queue_ms: float
     model_version: str
     codec: str
-    def __init__(self, kv_id: _Optional[str] = ..., first_token: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_raw_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., model_version: _Optional[str] = ..., codec: _Optional[str] = ...) -> None: ...
+    kv_overlap_bytes: int
+    kv_overlap_ms: float
+    kv_streamed: bool
+    def __init__(self, kv_id: _Optional[str] = ..., first_token: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_raw_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., model_version: _Optional[str] = ..., codec: _Optional[str] = ..., kv_overlap_bytes: _Optional[int] = ..., kv_overlap_ms: _Optional[float] = ..., kv_streamed: _Optional[bool] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
     __slots__ = ("first_token", "prefill_ms", "queue_ms", "model_version", "first_logprob")
@@ -107,16 +113,26 @@ class PrefillFirstToken(_message.Message):
     first_logprob: TokenLogprob
     def __init__(self, first_token: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., model_version: _Optional[str] = ..., first_logprob: _Optional[_Union[TokenLogprob, _Mapping]] = ...) -> None: ...
 
+class PrefillOpened(_message.Message):
+    __slots__ = ("kv_id", "kv_endpoint")
+    KV_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
+    kv_id: str
+    kv_endpoint: str
+    def __init__(self, kv_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ...) -> None: ...
+
 class PrefillEvent(_message.Message):
-    __slots__ = ("first", "stored")
+    __slots__ = ("first", "stored", "opened")
     FIRST_FIELD_NUMBER: _ClassVar[int]
     STORED_FIELD_NUMBER: _ClassVar[int]
+    OPENED_FIELD_NUMBER: _ClassVar[int]
     first: PrefillFirstToken
     stored: PrefillReply
-    def __init__(self, first: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., stored: _Optional[_Union[PrefillReply, _Mapping]] = ...) -> None: ...
+    opened: PrefillOpened
+    def __init__(self, first: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., stored: _Optional[_Union[PrefillReply, _Mapping]] = ..., opened: _Optional[_Union[PrefillOpened, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_id", "kv_endpoint", "first_token", "has_first_token", "degrade_reason")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_id", "kv_endpoint", "first_token", "has_first_token", "degrade_reason", "first_token_in_kv")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +141,7 @@ class GenerateRequest(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     HAS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DEGRADE_REASON_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_IN_KV_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -133,10 +150,11 @@ class GenerateRequest(_message.Message):
     first_token: int
     has_first_token: bool
     degrade_reason: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., first_token: _Optional[int] = ..., has_first_token: _Optional[bool] = ..., degrade_reason: _Optional[str] = ...) -> None: ...
+    first_token_in_kv: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., first_token: _Optional[int] = ..., has_first_token: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., first_token_in_kv: _Optional[bool] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("route", "degraded", "degrade_reason", "kv_bytes", "transfer_ms", "retries", "queue_ms", "local_prefill_ms", "first_step_ms", "transfer_outcome", "instance")
+    __slots__ = ("route", "degraded", "degrade_reason", "kv_bytes", "transfer_ms", "retries", "queue_ms", "local_prefill_ms", "first_step_ms", "transfer_outcome", "instance", "kv_streamed", "kv_wait_ms", "kv_bytes_while_writing")
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     DEGRADE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +166,9 @@ class GenerateStats(_message.Message):
     FIRST_STEP_MS_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_OUTCOME_FIELD_NUMBER: _ClassVar[int]
     INSTANCE_FIELD_NUMBER: _ClassVar[int]
+    KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_WHILE_WRITING_FIELD_NUMBER: _ClassVar[int]
     route: str
     degraded: bool
     degrade_reason: str
@@ -159,7 +180,10 @@ class GenerateStats(_message.Message):
     first_step_ms: float
     transfer_outcome: str
     instance: str
-    def __init__(self, route: _Optional[str] = ..., degraded: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., retries: _Optional[int] = ..., queue_ms: _Optional[float] = ..., local_prefill_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., transfer_outcome: _Optional[str] = ..., instance: _Optional[str] = ...) -> None: ...
+    kv_streamed: bool
+    kv_wait_ms: float
+    kv_bytes_while_writing: int
+    def __init__(self, route: _Optional[str] = ..., degraded: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., retries: _Optional[int] = ..., queue_ms: _Optional[float] = ..., local_prefill_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., transfer_outcome: _Optional[str] = ..., instance: _Optional[str] = ..., kv_streamed: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., kv_bytes_while_writing: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "stats", "logprobs")

@@ -56,16 +56,16 @@ from pdx.transfer.dataplane.client import (
 )
 from pdx.transfer.dataplane.framing import Conn
 from pdx.transfer.metrics import KVMetrics, TransferRecord
-from pdx.transfer.objects import Assembly, KVObject, encode_tensors
+from pdx.transfer.objects import Assembly, KVObject, StreamAssembly, encode_tensors
 from pdx.transfer.path import Deadline, PathEstimate
 from pdx.transfer.retry import GlobalRetryBudget, backoff_s
 from pdx.transfer.rpc import CHANNEL_OPTIONS, SERVICE_NAME, map_rpc_error
-from pdx.transfer.wire import digest64, encode_chunk
+from pdx.transfer.wire import digest64, encode_chunk, is_chunk_message
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["KVClient", "KVObject", "encode_tensors", "map_rpc_error"]
+__all__ = ["KVClient", "KVObject", "StreamWriter", "encode_tensors", "map_rpc_error"]
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -269,7 +269,9 @@ class KVClient:
             except KVError as exc:
                 await self._before_retry(req, exc)
 
-    def _finish(self, req: _Request, nbytes: int, chunks: int, outcome: str) -> TransferRecord:
+    def _finish(
+        self, req: _Request, nbytes: int, chunks: int, outcome: str, **extra: Any
+    ) -> TransferRecord:
         ms = (time.perf_counter() - req.start_s) * 1000
         d = req.deadline
         moves = req.op in ("put", "get")
@@ -291,6 +293,7 @@ class KVClient:
             deadline_ms=d.ms if d is not None else None,
             deadline_source=d.source if d is not None else None,
             limited_by=req.limited_by,
+            **extra,
         )
         self.metrics.add_record(rec)
         self.metrics.duration.labels(op=req.op, side="client").observe(ms / 1000)
@@ -566,6 +569,66 @@ class KVClient:
                 else:
                     first = start
 
+    # --- streamed objects ---------------------------------------------------------------
+
+    async def open(
+        self,
+        reserve_bytes: int,
+        layout: KVLayout | None = None,
+        *,
+        model_version: str = "unversioned",
+        ttl_s: int = 0,
+    ) -> StreamWriter:
+        """Open a streamed object of at most ``reserve_bytes``; write it with the writer.
+
+        The kv_id is known at once and readers may Get the object while it is written.
+        Its Put travels on gRPC (the data plane carries whole objects only).
+        """
+        req = self._begin("put", size_bytes=reserve_bytes)
+        req.transport = "grpc"
+        header = pb.PutHeader(
+            model_version=model_version,
+            ttl_s=ttl_s,
+            layout=(layout or KVLayout(codec="")).to_proto(),
+            size_bytes=reserve_bytes,
+            chunk_size_bytes=self.cfg.chunk_size_bytes,
+            upload_token=secrets.token_bytes(16),
+            digest_in_trailer=True,
+        )
+        try:
+            opened = await self._unary(req, "Open", pb.OpenRequest(header=header), pb.OpenResponse)
+        except KVError as exc:
+            self._finish(req, 0, 0, exc.code.value)
+            raise
+        req.kv_id = opened.info.kv_id
+        return StreamWriter(self, req, header)
+
+    async def get_streamed(self, kv_id: str, *, size_hint: int | None = None) -> StreamedGet:
+        """Fetch an object that may still be written: chunks as they are stored (gRPC).
+
+        Verifies every chunk on arrival and the whole object against its closed info. The
+        writer ending it is KV_INCOMPLETE (not retried); a writer slower than this request's
+        deadline is KV_TIMEOUT.
+        """
+        req = self._begin("get", kv_id, size_bytes=size_hint)
+        req.transport = "grpc"
+        got = StreamAssembly(kv_id)
+        try:
+            await self._get_range(req, 0, got, 0, 0, grpc_only=True)
+            obj = got.finish()
+        except KVError as exc:
+            self._finish(req, 0, 0, exc.code.value)
+            raise
+        chunk = obj.info.chunk_size_bytes
+        late = max(0, int(obj.info.size_bytes) - got.stored_at_start * chunk)
+        wait_ms = (got.closed_s - got.first_s) * 1e3 if got.closed_s and got.first_s else 0.0
+        n = obj.info.num_chunks
+        rec = self._finish(
+            req, obj.info.size_bytes, n, "ok", streamed=True, overlap_bytes=late,
+            overlap_ms=round(wait_ms, 3),
+        )  # fmt: skip
+        return StreamedGet(obj, rec, late, wait_ms)
+
     # --- get --------------------------------------------------------------------------
 
     async def get(self, kv_id: str, *, size_hint: int | None = None) -> KVObject:
@@ -596,7 +659,9 @@ class KVClient:
         )
         return got.finish()
 
-    async def _get_range(self, req: _Request, k: int, got: Assembly, start: int, end: int) -> None:
+    async def _get_range(
+        self, req: _Request, k: int, got: Assembly, start: int, end: int, *, grpc_only: bool = False
+    ) -> None:
         call = self._rpc(
             k, "unary_stream", "Get", request_serializer=pb.GetRequest.SerializeToString
         )
@@ -617,9 +682,10 @@ class KVClient:
                 raise client_error(exc, got.kv_id, state["next"]) from None
 
         async def once(timeout_s: float) -> None:
-            done, _ = await self._on_data_plane(req, timeout_s, got.kv_id, work)
-            if done:
-                return
+            if not grpc_only:
+                done, _ = await self._on_data_plane(req, timeout_s, got.kv_id, work)
+                if done:
+                    return
             request = pb.GetRequest(kv_id=got.kv_id, from_chunk=state["next"], to_chunk=end)
             left = max(req.remaining_s(), 0.001)
             stream = call(request, timeout=left, metadata=self._metadata)
@@ -642,8 +708,13 @@ class KVClient:
     async def _receive(self, stream: Any, got: Assembly, state: dict[str, int]) -> None:
         first = True
         async for raw in stream:
-            if first:
+            if first or not is_chunk_message(raw):  # info first; a streamed Get's closed info last
                 got.accept_info(pb.GetResponse.FromString(raw).info)
+                if isinstance(got, StreamAssembly):
+                    now = time.perf_counter()
+                    got.first_s = got.first_s or now
+                    if got.closed is not None:
+                        got.closed_s = now
                 first = False
                 continue
             got.add(state["next"], raw)
@@ -681,6 +752,119 @@ class KVClient:
             "stat", kv_id, "Stat", pb.StatRequest(kv_id=kv_id), pb.StatResponse
         )
         return resp.info
+
+
+@dataclass
+class StreamedGet:
+    """What :meth:`KVClient.get_streamed` fetched, and how much of it streamed while written."""
+
+    obj: KVObject
+    record: TransferRecord
+    bytes_while_writing: int  # stored only after the Get began
+    wait_ms: float  # from the first info to the closed object's info
+
+
+class StreamWriter:
+    """The writer of a streamed object: ``write`` bytes in order, then ``close``.
+
+    Full chunks go out on the object's Put stream as soon as they exist. ``mark_overlap``
+    records how much had been sent when the producer finished computing; ``abort`` ends
+    the stream (the store then ends the object: readers get KV_INCOMPLETE).
+    """
+
+    def __init__(self, client: KVClient, req: _Request, header: pb.PutHeader) -> None:
+        self.client, self.req, self.header = client, req, header
+        self.kv_id = req.kv_id
+        self.chunk = header.chunk_size_bytes
+        self.reserve = header.size_bytes
+        self._buf = bytearray()
+        self._index = 0
+        self._hash = xxhash.xxh3_64()
+        self._queue: asyncio.Queue[bytes | None] = asyncio.Queue()
+        self.written = 0  # bytes handed to write()
+        self.sent = 0  # chunk bytes handed to gRPC
+        self.opened_s = time.perf_counter()
+        self.overlap: tuple[int, float] | None = None
+        reply = pb.PutResponse.FromString
+        call = client._rpc(0, "stream_unary", "Put", response_deserializer=reply)
+        left = max(req.remaining_s(), 0.001)
+        self._call = call(self._messages(), timeout=left, metadata=client._metadata)
+        self._closed = False
+
+    async def _messages(self) -> AsyncIterator[bytes]:
+        yield pb.PutRequest(header=self.header).SerializeToString()
+        while (message := await self._queue.get()) is not None:
+            yield message
+            if is_chunk_message(message):
+                self.sent += min(self.chunk, len(message))
+
+    def _emit(self, data: bytes | bytearray | memoryview) -> None:
+        self._hash.update(data)
+        self._queue.put_nowait(encode_chunk(self._index, data))
+        self._index += 1
+
+    def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append bytes; every full chunk is queued for the Put stream at once."""
+        if self._closed:
+            raise KVError(KVErrorCode.KV_INVALID, "write after close", kv_id=self.kv_id)
+        view = memoryview(data).cast("B")
+        if self.written + len(view) > self.reserve:
+            raise KVError(
+                KVErrorCode.KV_INVALID,
+                f"{self.written + len(view)} bytes written, {self.reserve} reserved",
+                kv_id=self.kv_id,
+            )
+        self.written += len(view)
+        if self._buf:
+            need = self.chunk - len(self._buf)
+            self._buf += view[:need]
+            view = view[need:]
+            if len(self._buf) == self.chunk:
+                self._emit(bytes(self._buf))
+                self._buf.clear()
+        while len(view) >= self.chunk:
+            self._emit(view[: self.chunk])
+            view = view[self.chunk :]
+        self._buf += view
+
+    def mark_overlap(self) -> None:
+        """The producer finished computing: what was sent by now overlapped it."""
+        self.overlap = (self.sent, (time.perf_counter() - self.opened_s) * 1e3)
+
+    async def close(self, layout: KVLayout | None = None, tail: bytes = b"") -> pb.ObjectInfo:
+        """Send the last chunk and the trailer (final size, layout, tail, digest)."""
+        self._closed = True
+        if self._buf or not self.written:
+            self._emit(bytes(self._buf))
+            self._buf.clear()
+        trailer = pb.PutTrailer(object_digest=self._hash.intdigest(), size_bytes=self.written,
+                                tail=tail)  # fmt: skip
+        if layout is not None:
+            trailer.layout.CopyFrom(layout.to_proto())
+        self._queue.put_nowait(pb.PutRequest(trailer=trailer).SerializeToString())
+        self._queue.put_nowait(None)
+        req = self.req
+        try:
+            reply = await self.client._attempt(req, lambda _t: self._call)
+        except KVError as exc:
+            self.client._finish(req, 0, 0, exc.code.value, streamed=True)
+            raise
+        if reply.missing_chunks:
+            short = KVError(KVErrorCode.KV_INTERNAL, "streamed object closed with chunks missing",
+                            kv_id=self.kv_id)  # fmt: skip
+            self.client._finish(req, 0, 0, short.code.value, streamed=True)
+            raise short
+        ob, oms = self.overlap if self.overlap is not None else (None, None)
+        self.client._finish(req, reply.info.size_bytes, reply.info.num_chunks, "ok",
+                            streamed=True, overlap_bytes=ob,
+                            overlap_ms=round(oms, 3) if oms is not None else None)  # fmt: skip
+        return reply.info
+
+    def abort(self) -> None:
+        """Stop writing: the stream is cancelled and the store ends the object."""
+        if not self._call.done():
+            self._call.cancel()
+            self.client._finish(self.req, 0, 0, "cancelled", streamed=True)
 
 
 async def _put_messages(

@@ -33,6 +33,7 @@ CHUNK_MAX_KB = 8192
 DEFAULT_CHUNK_KB = 1024
 DEFAULT_LEASE_S = 20
 MAX_LEASE_S = 60
+TAIL_MAX_BYTES = 4096  # what a streamed object's writer may attach when it closes it
 
 ERROR_METADATA_KEY = "pdx-kv-error"
 RESUME_METADATA_KEY = "pdx-kv-resume-chunk"
@@ -53,6 +54,7 @@ class KVErrorCode(StrEnum):
     KV_UNAVAILABLE = "KV_UNAVAILABLE"
     KV_UNAUTHENTICATED = "KV_UNAUTHENTICATED"
     KV_INTERNAL = "KV_INTERNAL"
+    KV_INCOMPLETE = "KV_INCOMPLETE"
 
 
 # Contract code -> gRPC status code name (grpc.StatusCode member). One table, used by
@@ -69,6 +71,7 @@ GRPC_STATUS: dict[KVErrorCode, str] = {
     KVErrorCode.KV_UNAVAILABLE: "UNAVAILABLE",
     KVErrorCode.KV_UNAUTHENTICATED: "UNAUTHENTICATED",
     KVErrorCode.KV_INTERNAL: "INTERNAL",
+    KVErrorCode.KV_INCOMPLETE: "ABORTED",
 }
 
 # What a client may retry (with backoff, under both retry budgets).

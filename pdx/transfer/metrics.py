@@ -38,6 +38,12 @@ class TransferRecord:
     deadline_ms: float | None = None
     deadline_source: str | None = None
     limited_by: str | None = None  # a Put stream capped by "send buffer" / "receive window"
+    # Streamed objects (rpc Open): the Put's bytes sent and time spent while the producer
+    # still computed (the overlap); a Get's bytes that were stored only after it began and
+    # its time waiting on the writer.
+    streamed: bool | None = None
+    overlap_bytes: int | None = None
+    overlap_ms: float | None = None
 
     def as_dict(self) -> dict[str, Any]:
         """Plain dict (JSON-ready)."""

@@ -186,3 +186,63 @@ class Assembly:
         """A KV_CORRUPT error resuming at ``index``."""
         where = f"chunk {index}: " if index is not None else ""
         return KVError(KVErrorCode.KV_CORRUPT, where + why, kv_id=self.kv_id, resume_chunk=index)
+
+
+class StreamAssembly(Assembly):
+    """A Get of a streamed object: chunks verified by their own digest as they arrive, then
+    against the closed object's info (every chunk digest and the object digest)."""
+
+    def __init__(self, kv_id: str) -> None:
+        super().__init__(kv_id)
+        self.stored_at_start = 0  # chunks the store held when the Get began
+        self.closed: pb.ObjectInfo | None = None
+        self.first_s = 0.0  # perf_counter() at the first info and at the closed info
+        self.closed_s = 0.0
+
+    def _accept_info(self, info: pb.ObjectInfo) -> None:
+        if info.kv_id != self.kv_id or len(info.chunk_digests) != info.num_chunks:
+            raise self.corrupt(None, "malformed object info")
+        if self.info is None:
+            self.info = info
+            self.chunks = [None] * info.num_chunks
+            self.stored_at_start = info.chunks_stored
+        elif not info.writing:
+            self.close(info)
+
+    def add(self, index: int, raw: bytes) -> None:
+        """Verify a chunk of an object that may still be written (its own digest)."""
+        info = self.info
+        if info is None or not info.writing or self.closed is not None:
+            super().add(index, raw)
+            return
+        try:
+            chunk = parse_chunk(raw)
+        except ValueError as exc:
+            raise self.corrupt(index, str(exc)) from None
+        ok_len = 0 < len(chunk.data) <= info.chunk_size_bytes
+        if chunk.index != index or index >= info.num_chunks or not ok_len:
+            raise self.corrupt(index, f"got chunk {chunk.index} of {len(chunk.data)} bytes")
+        if digest64(chunk.data) != chunk.digest:
+            raise self.corrupt(index, "digest mismatch")
+        self.chunks[index] = chunk.data
+        self._hash_prefix()
+
+    def close(self, info: pb.ObjectInfo) -> None:
+        """The closed object's info: its final size, layout and digests."""
+        first = self.info
+        assert first is not None
+        if info.size_bytes > first.size_bytes or info.chunk_size_bytes != first.chunk_size_bytes:
+            raise self.corrupt(None, "closed object larger than its reservation")
+        n = int(info.num_chunks)
+        if any(c is not None for c in self.chunks[n:]):
+            raise self.corrupt(n, "chunks past the closed object's end")
+        del self.chunks[n:]
+        size = info.chunk_size_bytes
+        for i, data in enumerate(self.chunks):
+            if data is None:
+                continue
+            if len(data) != min(size, info.size_bytes - i * size):
+                raise self.corrupt(i, "length differs from the closed object's")
+            if digest64(data) != info.chunk_digests[i]:
+                raise self.corrupt(i, "digest differs from the closed object's")
+        self.info = self.closed = info

@@ -122,6 +122,7 @@ _FROM_STATUS: dict[grpc.StatusCode, KVErrorCode] = {
     grpc.StatusCode.UNAUTHENTICATED: KVErrorCode.KV_UNAUTHENTICATED,
     grpc.StatusCode.PERMISSION_DENIED: KVErrorCode.KV_UNAUTHENTICATED,
     grpc.StatusCode.INTERNAL: KVErrorCode.KV_INTERNAL,
+    grpc.StatusCode.ABORTED: KVErrorCode.KV_INCOMPLETE,
 }
 
 

@@ -265,7 +265,11 @@ class KVService:
         except BaseException:
             self.store.abandon(obj, "upload failed")
             raise
-        missing = self.store.finish_put(obj)
+        try:
+            missing = self.store.finish_put(obj)
+        finally:
+            if obj.writing:  # the only stream of a streamed object ended before closing it
+                self.store.end_writing(obj, "the Put stream ended before its trailer")
         op.extra["missing_chunks"] = missing
         return pb.PutResponse(info=self.store.info(obj), missing_chunks=missing)
 
@@ -312,7 +316,10 @@ class KVService:
                 kv_id=obj.kv_id,
                 resume_chunk=index,
             )
-        self.store.set_object_digest(obj, msg.trailer.object_digest)
+        if obj.writing:
+            self.store.close_streamed(obj, msg.trailer)
+        else:
+            self.store.set_object_digest(obj, msg.trailer.object_digest)
         return True
 
     async def get(
@@ -333,8 +340,12 @@ class KVService:
                     ) from None
 
     async def _stream(self, op: _Op, request: pb.GetRequest) -> AsyncIterator[bytes]:
-        obj = self.store.lookup(request.kv_id)
+        obj = self.store.lookup_any(request.kv_id)
         self.store.check_reader(obj, op.who)
+        if obj.writing:
+            async for streamed in self._stream_writing(op, obj, request):
+                yield streamed
+            return
         end = _range_end(obj, request)
         op.extra["from_chunk"] = request.from_chunk
         obj.readers += 1
@@ -350,6 +361,52 @@ class KVService:
         finally:
             obj.readers -= 1
         self._count("get", op.bytes, end - request.from_chunk, start)
+
+    async def _stream_writing(
+        self, op: _Op, obj: StoredObject, request: pb.GetRequest
+    ) -> AsyncIterator[bytes]:
+        """A Get of a streamed object: chunks as they are stored, then the closed info.
+
+        Waits for each chunk (the caller's deadline bounds it: KV_TIMEOUT); an object its
+        writer ended is KV_INCOMPLETE, never a short object.
+        """
+        want = request.to_chunk  # 0: up to the closed object's last chunk
+        _range_end(obj, request)  # KV_INVALID outside the reservation
+        op.extra["from_chunk"] = request.from_chunk
+        op.extra["streamed"] = True
+        obj.readers += 1
+        start = time.perf_counter()
+        i = request.from_chunk
+        try:
+            yield pb.GetResponse(info=self.store.info(obj)).SerializeToString()
+            while True:
+                if obj.ended:
+                    raise KVError(KVErrorCode.KV_INCOMPLETE, obj.ended, kv_id=obj.kv_id)
+                limit = min(want, obj.num_chunks) if want else obj.num_chunks
+                if obj.writing and obj.final_chunks is not None:
+                    limit = min(limit, obj.final_chunks)
+                if i >= limit and (not obj.writing or (want and i >= want)):
+                    break
+                message: bytes | None = obj.chunk_message(i) if i < limit else None
+                if message is None:  # not stored yet: wait for the writer
+                    await obj.changed().wait()
+                    continue
+                yield message
+                op.bytes += obj.chunk_len(i)
+                i += 1
+            yield pb.GetResponse(info=self.store.info(obj)).SerializeToString()
+        finally:
+            obj.readers -= 1
+        self._count("get", op.bytes, i - request.from_chunk, start)
+
+    async def open(
+        self, request: pb.OpenRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OpenResponse:
+        """Create a streamed object, readable while its writer's Put stream fills it."""
+        async with self._audited("open", context) as op:
+            obj = self.store.open(request.header, op.who)
+            op.kv_id, op.bytes = obj.kv_id, obj.size_bytes
+            return pb.OpenResponse(info=self.store.info(obj))
 
     # --- data plane (pdx.transfer.dataplane): the same rules, bytes moved by a thread ---------
 
@@ -395,9 +452,12 @@ class KVService:
         """A Get whose chunks a data-plane connection thread sends."""
         async with self._audit_op("get", who, peer, transport="data") as op:
             op.kv_id = checked_kv_id(request.kv_id)
-            async with self._slot_wait(self._time_left(timeout_s), holder(op)):
-                obj = self.store.lookup(request.kv_id)
+            left = self._time_left(timeout_s)
+            async with self._slot_wait(left, holder(op)):
+                obj = self.store.lookup_any(request.kv_id)
                 self.store.check_reader(obj, op.who)
+                if obj.writing:  # the data plane serves a streamed object once closed
+                    await self._until_closed(obj, left)
                 end = _range_end(obj, request)
                 op.extra["from_chunk"] = request.from_chunk
                 chunks = [(i, obj.digests[i], obj.data[i]) for i in range(request.from_chunk, end)]
@@ -413,6 +473,18 @@ class KVService:
                 if sent.error is not None:
                     raise sent.error
                 self._count("get", sent.nbytes, sent.chunks, start)
+
+    async def _until_closed(self, obj: StoredObject, left: float | None) -> None:
+        try:
+            async with asyncio.timeout(left):
+                while obj.writing and not obj.ended:
+                    await obj.changed().wait()
+        except TimeoutError:
+            raise KVError(
+                KVErrorCode.KV_TIMEOUT, "the object was still being written", kv_id=obj.kv_id
+            ) from None
+        if obj.ended:
+            raise KVError(KVErrorCode.KV_INCOMPLETE, obj.ended, kv_id=obj.kv_id)
 
     async def data_plane(
         self, request: pb.DataPlaneRequest, context: grpc.aio.ServicerContext
@@ -435,7 +507,7 @@ class KVService:
         """The consumer's acknowledgement: delete now."""
         async with self._audited("release", context) as op:
             op.kv_id = checked_kv_id(request.kv_id)
-            self.store.check_reader(self.store.lookup(request.kv_id), op.who)
+            self.store.check_reader(self.store.lookup_any(request.kv_id), op.who)
             obj = self.store.release(request.kv_id, op.who)
             op.bytes = obj.size_bytes
             op.extra["object_digest"] = digest_hex(obj.object_digest)
@@ -447,7 +519,7 @@ class KVService:
         """Lease heartbeat."""
         async with self._audited("renew", context) as op:
             op.kv_id = checked_kv_id(request.kv_id)
-            self.store.check_reader(self.store.lookup(request.kv_id), op.who)
+            self.store.check_reader(self.store.lookup_any(request.kv_id), op.who)
             obj = self.store.renew(request.kv_id, request.lease_s)
             return pb.RenewResponse(info=self.store.info(obj))
 
@@ -457,7 +529,7 @@ class KVService:
         """Describe an object without moving it."""
         async with self._audited("stat", context) as op:
             op.kv_id = checked_kv_id(request.kv_id)
-            obj = self.store.lookup(request.kv_id)
+            obj = self.store.lookup_any(request.kv_id)
             self.store.check_reader(obj, op.who)
             return pb.StatResponse(info=self.store.info(obj))
 
@@ -481,6 +553,7 @@ class KVService:
                 "Renew": _unary(self.renew, pb.RenewRequest),
                 "Stat": _unary(self.stat, pb.StatRequest),
                 "DataPlane": _unary(self.data_plane, pb.DataPlaneRequest),
+                "Open": _unary(self.open, pb.OpenRequest),
             },
         )
 

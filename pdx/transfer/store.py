@@ -9,6 +9,7 @@ their reason and the object digest.
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -20,6 +21,7 @@ from pdx._proto import kv_transfer_pb2 as pb
 from pdx.transfer.audit import AuditLog, digest_hex
 from pdx.transfer.contract import (
     CHUNK_MIN_KB,
+    TAIL_MAX_BYTES,
     TTL_MAX_S,
     TTL_MIN_S,
     Clock,
@@ -69,6 +71,27 @@ class StoredObject:
     abandon_reason: str = ""
     # The data plane's receiving thread may grow the digest too (see hash_verified).
     hash_lock: threading.Lock = field(default_factory=threading.Lock)
+    # Streamed objects (rpc Open): readable while written. ``writing`` until the trailer
+    # closes it; ``ended`` says why the writer ended it without closing it.
+    writing: bool = False
+    ended: str = ""
+    final_chunks: int | None = None  # a short chunk arrived: the object ends there
+    progress_s: float = 0.0  # last time the writer stored a chunk (or opened it)
+    stored: int = 0  # chunks stored
+    tail: bytes = b""
+    _changed: asyncio.Event | None = None
+
+    def changed(self) -> asyncio.Event:
+        """(readers) An event set at the next stored chunk, close or end."""
+        if self._changed is None:
+            self._changed = asyncio.Event()
+        return self._changed
+
+    def wake(self) -> None:
+        """(store) Wake every reader waiting for this object to change."""
+        event, self._changed = self._changed, None
+        if event is not None:
+            event.set()
 
     def hash_prefix(self) -> None:
         """Feed every newly contiguous chunk into the running object digest."""
@@ -135,6 +158,7 @@ class KVStore:
         self.metrics = metrics or KVMetrics()
         self._objects: OrderedDict[str, StoredObject] = OrderedDict()  # LRU order
         self._uploads: dict[bytes, StoredObject] = {}
+        self._writing: dict[str, StoredObject] = {}  # streamed objects not closed yet, by id
         self._tombstones: OrderedDict[str, str] = OrderedDict()
         self.used_bytes = 0
 
@@ -143,6 +167,9 @@ class KVStore:
     def begin_put(self, header: pb.PutHeader, owner: str) -> StoredObject:
         """Start (or rejoin, by upload token) an upload; reserves its bytes in the budget."""
         pending = self._uploads.get(header.upload_token) if header.upload_token else None
+        if pending is not None and pending.writing:
+            self._check_writer(pending, header)
+            return pending
         if pending is not None:
             self._check_rejoin(pending, header)
             pending.abandoned_s = None  # a retry came back for it
@@ -174,6 +201,76 @@ class KVStore:
             self._uploads[header.upload_token] = obj
         self._gauges()
         return obj
+
+    def open(self, header: pb.PutHeader, owner: str) -> StoredObject:
+        """Create a streamed object (rpc Open): readable at once, written by one Put stream.
+
+        ``header.size_bytes`` is an upper bound of the final size and is reserved in the
+        budget now; TTL and lease run from now.
+        """
+        problems = []
+        if len(header.upload_token) != 16:
+            problems.append("Open needs a 16-byte upload_token")
+        if not header.digest_in_trailer or header.start_chunk:
+            problems.append("Open needs digest_in_trailer and start_chunk 0")
+        if header.upload_token in self._uploads:
+            problems.append("upload_token already in use")
+        if problems:
+            raise KVError(KVErrorCode.KV_INVALID, "; ".join(problems))
+        obj = self.begin_put(header, owner)
+        obj.writing = True
+        obj.progress_s = obj.created_s
+        self._writing[obj.kv_id] = obj
+        return obj
+
+    def _check_writer(self, obj: StoredObject, h: pb.PutHeader) -> None:
+        """The Put stream of a streamed object: same size and chunk size, from chunk 0."""
+        same = h.size_bytes == obj.size_bytes and h.chunk_size_bytes == obj.chunk_size_bytes
+        if not same or h.start_chunk or not h.digest_in_trailer or obj.stored:
+            raise KVError(
+                KVErrorCode.KV_INVALID,
+                "a streamed object is written by one Put stream from chunk 0 with "
+                "digest_in_trailer, with its Open's size and chunk size",
+                kv_id=obj.kv_id,
+            )
+
+    def close_streamed(self, obj: StoredObject, trailer: pb.PutTrailer) -> None:
+        """The writer's trailer: final size, layout and tail; frees the unused reservation."""
+        size = trailer.size_bytes or obj.size_bytes
+        n = -(-size // obj.chunk_size_bytes)
+        problems = []
+        if size > obj.size_bytes:
+            problems.append(f"final size {size} above the {obj.size_bytes} bytes reserved")
+        elif obj.stored != n or any(d is None for d in obj.data[:n]):
+            problems.append(f"closed with {obj.stored} chunks stored, {n} expected")
+        elif n and len(obj.data[n - 1] or b"") != size - (n - 1) * obj.chunk_size_bytes:
+            problems.append(f"final size {size} does not match the chunks stored")
+        if len(trailer.tail) > TAIL_MAX_BYTES:
+            problems.append(f"tail of {len(trailer.tail)} bytes (at most {TAIL_MAX_BYTES})")
+        if problems:
+            raise KVError(KVErrorCode.KV_INVALID, "; ".join(problems), kv_id=obj.kv_id)
+        self.set_object_digest(obj, trailer.object_digest)
+        self.used_bytes -= obj.size_bytes - size
+        obj.size_bytes, obj.num_chunks = size, n
+        del obj.messages[n:], obj.data[n:], obj.digests[n:]
+        if trailer.HasField("layout"):
+            obj.layout = trailer.layout
+        obj.tail = bytes(trailer.tail)
+
+    def lookup_any(self, kv_id: str) -> StoredObject:
+        """A live object, complete or still being written (see :meth:`lookup`)."""
+        obj = self._writing.get(kv_id)
+        if obj is None:
+            return self.lookup(kv_id)
+        if self.clock.now_s() >= obj.expires_at_s():
+            self._drop_upload(obj, "TTL passed while it was written")
+            raise KVError(KVErrorCode.KV_EXPIRED, "TTL passed; object deleted", kv_id=kv_id)
+        return obj
+
+    def end_writing(self, obj: StoredObject, reason: str) -> None:
+        """End a streamed object that will never be closed: readers get KV_INCOMPLETE."""
+        if obj.writing and not obj.ended:
+            self._drop_upload(obj, reason)
 
     def _check_header(self, h: pb.PutHeader) -> None:
         check_model_version(h.model_version)
@@ -226,7 +323,9 @@ class KVStore:
     def put_chunk(self, obj: StoredObject, chunk: ChunkView, message: bytes) -> None:
         """Verify one chunk (index, length, digest) and keep its message."""
         i = chunk.index
-        if i >= obj.num_chunks or len(chunk.data) != obj.chunk_len(i):
+        if obj.writing:
+            self._check_streamed_chunk(obj, i, len(chunk.data))
+        elif i >= obj.num_chunks or len(chunk.data) != obj.chunk_len(i):
             raise KVError(
                 KVErrorCode.KV_CORRUPT,
                 f"chunk {i}: bad index or length {len(chunk.data)}",
@@ -245,6 +344,25 @@ class KVStore:
         obj.data[i] = chunk.data
         obj.digests[i] = chunk.digest
         obj.hash_prefix()
+        if obj.writing:
+            obj.stored += 1
+            obj.progress_s = self.clock.now_s()
+            obj.wake()
+
+    def _check_streamed_chunk(self, obj: StoredObject, i: int, n: int) -> None:
+        """A streamed object's chunks are full-size, but for a last, shorter one."""
+        bad = ""
+        if i >= obj.num_chunks or obj.data[i] is not None:
+            bad = "outside the reservation or sent twice"
+        elif obj.final_chunks is not None and i >= obj.final_chunks:
+            bad = "after the object's last (short) chunk"
+        elif not 0 < n <= obj.chunk_len(i):
+            bad = f"length {n}"
+        if bad:
+            raise KVError(KVErrorCode.KV_CORRUPT, f"chunk {i}: {bad}", kv_id=obj.kv_id,
+                          resume_chunk=i)  # fmt: skip
+        if n < obj.chunk_size_bytes:
+            obj.final_chunks = i + 1
 
     def put_verified(
         self, obj: StoredObject, first: int, chunks: list[tuple[int, memoryview]]
@@ -291,6 +409,10 @@ class KVStore:
         obj.complete = True
         self._uploads.pop(obj.upload_token, None)
         self._objects[obj.kv_id] = obj
+        if obj.writing:
+            obj.writing = False
+            self._writing.pop(obj.kv_id, None)
+            obj.wake()
         self._gauges()
         return 0
 
@@ -299,7 +421,9 @@ class KVStore:
         after ``upload_resume_s``, so its reservation never outlives a retry's window."""
         if obj.complete:
             return
-        if not obj.upload_token or self.cfg.upload_resume_s <= 0:
+        if obj.writing:  # its readers wait: end it now, no resume window
+            self._drop_upload(obj, f"writer failed: {reason}")
+        elif not obj.upload_token or self.cfg.upload_resume_s <= 0:
             self._drop_upload(obj, reason)
         else:
             obj.abandoned_s = self.clock.now_s()
@@ -325,6 +449,11 @@ class KVStore:
         if not obj.complete:
             obj.complete = True  # never readable; guards against double accounting
             self.used_bytes -= obj.size_bytes
+            if obj.writing:
+                obj.ended = reason
+                self._writing.pop(obj.kv_id, None)
+                self._tombstones[obj.kv_id] = f"incomplete: {reason}"
+                obj.wake()
             self._deleted(obj, "abandon", reason, None)
 
     # --- read / lifetime --------------------------------------------------------------
@@ -337,6 +466,8 @@ class KVStore:
             parse_kv_id(kv_id)  # malformed ids are KV_INVALID
             if why == "expired":
                 raise KVError(KVErrorCode.KV_EXPIRED, "TTL passed; object deleted", kv_id=kv_id)
+            if why and why.startswith("incomplete: "):
+                raise KVError(KVErrorCode.KV_INCOMPLETE, why, kv_id=kv_id)
             detail = f"{why}" if why else "no such object"
             raise KVError(KVErrorCode.KV_NOT_FOUND, detail, kv_id=kv_id)
         if self.clock.now_s() >= obj.expires_at_s():
@@ -346,15 +477,20 @@ class KVStore:
         return obj
 
     def release(self, kv_id: str, who: str) -> StoredObject:
-        """The consumer's acknowledgement: delete now."""
-        obj = self.lookup(kv_id)
+        """The consumer's acknowledgement: delete now (ends an object still being written)."""
+        obj = self.lookup_any(kv_id)
+        if obj.writing:
+            self._drop_upload(obj, f"released by {who} while it was written")
+            self._tombstones[obj.kv_id] = "released"
+            self.metrics.released.inc()
+            return obj
         self._delete(obj, "release", "released", who)
         self.metrics.released.inc()
         return obj
 
     def renew(self, kv_id: str, lease_s: int) -> StoredObject:
         """Extend the lease to now + ``lease_s`` (capped by config and the TTL maximum)."""
-        obj = self.lookup(kv_id)
+        obj = self.lookup_any(kv_id)
         lease = min(lease_s or self.cfg.lease_s, self.cfg.lease_s)
         obj.lease_until_s = max(obj.lease_until_s, self.clock.now_s() + lease)
         return obj
@@ -368,6 +504,11 @@ class KVStore:
         stale = [o for o in self._uploads.values() if now >= o.expires_at_s()]
         for obj in stale:
             self._drop_upload(obj, "upload not finished before TTL")
+        stall = self.cfg.stall_timeout_s
+        stuck = [o for o in self._writing.values() if now - o.progress_s >= stall]
+        for obj in stuck:
+            self._drop_upload(obj, f"writer made no progress for {stall:g} s")
+        due += stuck
         resume = self.cfg.upload_resume_s
         gone = [o for o in self._uploads.values()
                 if o.abandoned_s is not None and now - o.abandoned_s >= resume]  # fmt: skip
@@ -390,6 +531,9 @@ class KVStore:
             object_digest=obj.object_digest,
             expires_at_ms=expires_ms,
             chunk_digests=obj.digests,
+            writing=obj.writing,
+            chunks_stored=obj.stored if obj.writing else obj.num_chunks,
+            tail=obj.tail,
         )
 
     def __len__(self) -> int:

@@ -139,3 +139,15 @@ def test_data_plane_tls_is_13_only_with_client_certificates(tmp_path: Path) -> N
     ctx = server_ssl_context(c.TLSConfig(cert_dir=tmp_path, name="kv-store"))
     assert ctx.minimum_version is ssl.TLSVersion.TLSv1_3
     assert ctx.verify_mode is ssl.CERT_REQUIRED
+
+
+def test_streaming_rules_are_what_the_code_does() -> None:
+    rules = CONTRACT["streaming"]
+    assert rules["tail_max_bytes"] == c.TAIL_MAX_BYTES
+    assert (
+        "KV_INCOMPLETE" in rules["writer_ends"] and c.KVErrorCode.KV_INCOMPLETE not in c.RETRYABLE
+    )
+    methods = {m.name for m in pb.DESCRIPTOR.services_by_name["KVStore"].methods}
+    assert "Open" in methods
+    fields = pb.ObjectInfo.DESCRIPTOR.fields_by_name
+    assert {"writing", "chunks_stored", "tail"} <= set(fields)
