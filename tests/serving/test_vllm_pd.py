@@ -240,6 +240,36 @@ async def test_a_failed_kv_load_is_recomputed_and_labelled(
         await gw.stop()
 
 
+def test_pdx_in_front_of_instances_it_did_not_start(pair: Deployment) -> None:
+    """External endpoints: a second pdx deploy fronts the pair's instances and starts nothing."""
+    _, prefill, decode, model = _urls(pair)
+    path = str(pair.endpoints().model["model_path"])
+    prompt = unique_prompt(200, seed=7)
+    ref_body = {"model": model, "prompt": prompt, "max_tokens": 12, "temperature": 0,
+                "ignore_eos": True, "return_token_ids": True}  # fmt: skip
+    status, ref = post(prefill + "/v1/completions", ref_body)
+    assert status == 200, ref
+    fronting = [f"vllm.model={path}", f"vllm.prefill_urls=[{prefill}]",
+                f"vllm.decode_urls=[{decode}]"]  # fmt: skip
+    with vllm_deployment(fronting) as front:
+        assert front.children == []  # nothing started
+        ep = front.endpoints()
+        assert [p["url"] for p in ep.prefill] == [prefill]
+        assert [d["url"] for d in ep.decode] == [decode]
+        before = engine_counters(metrics_text(decode))
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                "return_token_ids": True, "pdx_route": "disaggregated"}  # fmt: skip
+        status, out = post(ep.gateway + "/v1/completions", body)
+        assert status == 200, out
+        after = engine_counters(metrics_text(decode))
+    assert out["model"] == model  # the name the instances serve, asked from decode
+    assert out["pdx"]["route"] == "disaggregated" and out["pdx"]["transfer_outcome"] == "ok"
+    assert out["choices"][0]["token_ids"] == ref["choices"][0]["token_ids"]
+    assert after["p2p_cached_tokens"] - before["p2p_cached_tokens"] == len(prompt)
+    # Stopping the fronting deploy left the pair's instances serving.
+    assert post(decode + "/v1/completions", {**ref_body, "max_tokens": 1})[0] == 200
+
+
 def test_prefill_killed_mid_run_degrades_then_recovers(pair: Deployment) -> None:
     """SIGKILL the prefill instance (its whole process group) under load: nothing fails."""
     gw, _, _, _ = _urls(pair)
