@@ -70,6 +70,22 @@ class SimConfig(BaseModel):
     link_sharing: Literal["fifo", "none"] = Field(
         "fifo", description="fifo: transfers queue on one link; none: each gets full bandwidth"
     )
+    link_round_trips: float = Field(
+        1.0, ge=0, description="round trips of link_rtt_s each transfer waits (request, lookups)"
+    )
+    link_loss_recovery: Literal["stall", "pipelined"] = Field(
+        "stall",
+        description="stall: every round trip's worth of data that saw a loss costs one more "
+        "round trip; pipelined: link_bytes_per_s is a goodput measured on the lossy path "
+        "(losses are repaired while data flows), only a loss in the last round trip costs one",
+    )
+    kv_overlap: Literal["off", "layerwise"] = Field(
+        "off",
+        description="off: the KV leaves once prefill has finished (and been encoded); "
+        "layerwise: each of model_layers layers leaves once prefill has computed (and "
+        "encoded) it, so the transfer starts after the first layer and overlaps the rest",
+    )
+    model_layers: int = Field(32, gt=0, description="layers of the model (kv_overlap layerwise)")
     # compression of the shipped KV
     codec_ratio: float = Field(1.0, gt=0, description="compressed bytes / raw bytes")
     codec_encode_bytes_per_s: float | None = Field(None, gt=0)
@@ -87,6 +103,25 @@ class SimConfig(BaseModel):
     )
     chunked_prefill_tokens: int | None = Field(
         None, gt=0, description="colocated: prefill in chunks piggybacked on decode steps"
+    )
+    prefill_fixed_s: float = Field(
+        0.0,
+        ge=0,
+        description="fixed cost of every prefill on top of its FLOPs (scheduling, "
+        "building the KV tensors' headers)",
+    )
+    prefill_time_sigma: float = Field(
+        0.0,
+        ge=0,
+        le=3,
+        description="spread of prefill times: each prefill takes its FLOP time x e^(sigma Z), "
+        "Z standard normal (a lognormal factor with median 1), seeded by workload.seed + 2",
+    )
+    first_token_from: Literal["decode", "prefill"] = Field(
+        "decode",
+        description="decode: the first token comes with the first decode step once the KV is "
+        "ready; prefill: prefill streams it at once (pdx's flow: the request and the token "
+        "cross the link, half a round trip each way, decode makes the other tokens)",
     )
     # service-level objectives used for goodput
     slo_ttft_s: float = Field(10.0, gt=0)
@@ -107,6 +142,10 @@ class SimConfig(BaseModel):
                 for k in ("prefill_instances", "decode_instances", "colocated_instances")
                 if getattr(self, k) != 1
             }
+            if self.first_token_from != "decode":
+                raise ValueError("compat 'published' takes the first token from decode")
+            if self.kv_overlap != "off":
+                raise ValueError("compat 'published' ships the KV after prefill (kv_overlap off)")
             if extra or self.local_prefill_max_tokens or self.chunked_prefill_tokens:
                 raise ValueError(
                     "compat 'published' models one prefill and one decode instance with no "
@@ -166,10 +205,13 @@ def load_sim_config(
     preset: str | None = None,
     overrides: dict[str, Any] | None = None,
     dotted: list[str] | None = None,
+    calibration: dict[str, Any] | None = None,
 ) -> SimConfig:
-    """Preset < model preset < YAML < ``PDX_SIM_*`` environment < flags < ``--set``.
+    """Preset < model preset < calibration < YAML < ``PDX_SIM_*`` environment < flags <
+    ``--set``.
 
-    With neither preset nor file the base is the illustration.
+    With neither preset nor file the base is the illustration; ``calibration`` is the
+    fields :func:`pdx.sim.calibrate.calibrate` fitted to a measured run.
 
     A YAML file given alone must be complete (model and hardware keys have no defaults).
     """
@@ -186,10 +228,14 @@ def load_sim_config(
     if model_name:  # preset < model preset < file < flags
         dtype = str(flags.get("model_dtype", file_data.get("model_dtype", "bf16")))
         base = _merge(base, model_fields(str(model_name), dtype))
+    if calibration:
+        base = _merge(base, calibration)
     env = env_overrides("PDX_SIM_")
     data = _merge(_merge(_merge(base, file_data), env), flags)
     given_flags = len(flags) > 1 or bool(flags["workload"]) or bool(dotted)
     source = _source_label(preset, config_path, bool(env), given_flags)
+    if calibration:
+        source += " + calibration"
     return build_config(SimConfig, source=source, base=data, dotted=dotted)
 
 

@@ -15,8 +15,10 @@ import math
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pdx.sim.config import Mode, SimConfig
-from pdx.sim.link import LinkModel
+from pdx.sim.link import LinkModel, Transfer
 from pdx.sim.workload import Workload
 
 ARRIVAL, PREFILL_DONE, READY, DECODE = 0, 1, 2, 3  # also the tie order at equal times
@@ -31,6 +33,7 @@ class _Instance:
         "busy_s",
         "chunk_queue",
         "finish_heap",
+        "fresh",
         "idx",
         "inflight",
         "kv_used",
@@ -53,6 +56,7 @@ class _Instance:
         self.batch_n = 0
         self.kv_used = 0.0
         self.finish_heap: list[tuple[int, int]] = []
+        self.fresh: list[int] = []  # joined; their first decode step is the current segment's
         self.prompt_heap: list[tuple[int, int]] = []
         self.steps_done = 0
         self.running = False
@@ -83,6 +87,9 @@ class EngineTrace:
     finish_s: list[float]
     transfer_start_s: list[float]
     local_prefill: bytearray
+    first_token_s: list[float] = field(default_factory=list)
+    second_token_s: list[float] = field(default_factory=list)
+    link_time_s: list[float] = field(default_factory=list)
     step_s: list[float] = field(default_factory=list)
     step_count: list[int] = field(default_factory=list)
     step_batch: list[int] = field(default_factory=list)
@@ -118,6 +125,9 @@ class Engine:
             finish_s=[nan] * n,
             transfer_start_s=[nan] * n,
             local_prefill=bytearray(n),
+            first_token_s=[nan] * n,
+            second_token_s=[nan] * n,
+            link_time_s=[nan] * n,
         )
         count = cfg.colocated_instances if mode == "colocated" else cfg.decode_instances
         self.insts = [_Instance(i) for i in range(count)]
@@ -129,6 +139,16 @@ class Engine:
         self.seq = itertools.count()
         self.done = bytearray(n)
         self.prefill_s_per_token = 2.0 * cfg.model_params / cfg.prefill_flops
+        self.prefill_fixed_s = cfg.prefill_fixed_s
+        self.prefill_factor: list[float] | None = None
+        if cfg.prefill_time_sigma > 0:
+            rng = np.random.default_rng(cfg.workload.seed + 2)
+            self.prefill_factor = rng.lognormal(0.0, cfg.prefill_time_sigma, n).tolist()
+        # first token from prefill: the request reaches the prefill site, and the token and
+        # the KV's handle come back, half a round trip each; decode makes the other tokens
+        self.from_prefill = cfg.first_token_from == "prefill"
+        self.half_rtt_s = cfg.link_rtt_s / 2 if self.from_prefill else 0.0
+        self.layers = cfg.model_layers if cfg.kv_overlap == "layerwise" else 0
         self.kv_bytes_per_token = cfg.kv_bytes_per_token
         self.weight_bytes = cfg.weight_bytes
         self.hbm_bytes_per_s = cfg.decode_hbm_bytes_per_s
@@ -205,8 +225,9 @@ class Engine:
                 self._local_prefill(inst, rid, t)
         else:
             free_at, server = heapq.heappop(self.pool_free)
-            start = free_at if free_at > t else t
-            dur = prompt * self.prefill_s_per_token
+            there = t + self.half_rtt_s
+            start = free_at if free_at > there else there
+            dur = self._prefill_s(rid, prompt)
             end = start + dur
             heapq.heappush(self.pool_free, (end, server))
             tr.prefill_start_s[rid], tr.prefill_end_s[rid] = start, end
@@ -217,11 +238,16 @@ class Engine:
             inst.waiting.append(rid)
             self._interrupt(inst, t)
 
+    def _prefill_s(self, rid: int, prompt: int) -> float:
+        """How long one request's prefill computes (FLOPs, fixed cost, its spread factor)."""
+        dur = prompt * self.prefill_s_per_token + self.prefill_fixed_s
+        return dur * self.prefill_factor[rid] if self.prefill_factor is not None else dur
+
     def _local_prefill(self, inst: _Instance, rid: int, t: float) -> None:
         """FIFO prefill on the instance itself; decode steps freeze while it has work."""
         tr = self.tr
         start = inst.prefill_free_at if inst.prefill_free_at > t else t
-        dur = tr.prompt_tokens[rid] * self.prefill_s_per_token
+        dur = self._prefill_s(rid, tr.prompt_tokens[rid])
         inst.prefill_free_at = start + dur
         inst.prefill_busy_s += dur
         tr.prefill_start_s[rid], tr.prefill_end_s[rid] = start, start + dur
@@ -237,27 +263,61 @@ class Engine:
             self._interrupt(inst, t)
 
     def _prefill_done(self, rid: int, where: int, t: float) -> None:
+        tr = self.tr
         if where != POOL:
+            tr.first_token_s[rid] = t
             self._make_ready(self.insts[where], rid, t)
+            return
+        if self.from_prefill:  # else the first token comes with decode's first step
+            tr.first_token_s[rid] = t + self.half_rtt_s
+        if self.from_prefill and tr.output_tokens[rid] == 1:  # answered: no KV to ship
+            tr.ready_s[rid] = tr.join_s[rid] = tr.finish_s[rid] = tr.first_token_s[rid]
+            tr.local_prefill[rid] = 0
+            self.done[rid] = 1
             return
         inst = self._least_loaded()
         self.load[inst.idx] += 1
         inst.inflight += 1
-        xfer = self.link.transfer(self.tr.prompt_tokens[rid])
-        start = t
-        if self.cfg.link_sharing == "fifo" and self.link_free_at > t:
-            start = self.link_free_at
-        self.link_free_at = start + xfer.link_busy_s
-        tr = self.tr
-        tr.transfer_start_s[rid] = start
+        xfer = self.link.transfer(tr.prompt_tokens[rid])
+        if self.layers:
+            asked, done = self._layerwise(xfer, tr.prefill_start_s[rid], t)
+            start = tr.transfer_start_s[rid] = self.link_free_at if self._queued(asked) else asked
+            done = max(done, start + xfer.link_busy_s)
+        else:
+            # the bytes can leave once encoded (and, in pdx's flow, once decode has the handle)
+            asked = t + xfer.encode_s + self.half_rtt_s
+            start = tr.transfer_start_s[rid] = self.link_free_at if self._queued(asked) else asked
+            done = start + xfer.link_busy_s
+        self.link_free_at = done
         tr.link_busy_s += xfer.link_busy_s
         tr.link_bytes += xfer.wire_bytes
-        self._push(start + xfer.link_busy_s + xfer.extra_latency_s, READY, rid, inst.idx)
+        arrived = done + xfer.extra_latency_s
+        tr.link_time_s[rid] = arrived - asked
+        self._push(arrived + xfer.decode_s, READY, rid, inst.idx)
+
+    def _queued(self, asked: float) -> bool:
+        """Whether a transfer ready at ``asked`` waits for the one before it (fifo link)."""
+        return self.cfg.link_sharing == "fifo" and self.link_free_at > asked
+
+    def _layerwise(self, xfer: Transfer, pf_start: float, pf_end: float) -> tuple[float, float]:
+        """kv_overlap layerwise: (when the first layer can leave, when the last byte has
+        left with an idle link). Layer i (1..L) is computed at pf_start + i * (prefill / L)
+        and encoded in encode_s / L; each takes link_busy_s / L of the link, in order, so the
+        last byte leaves at the later of the first layer + all bytes, and the last layer +
+        its own bytes."""
+        n = self.layers
+        per_layer = (pf_end - pf_start) / n
+        enc, wire = xfer.encode_s / n, xfer.link_busy_s / n
+        first = pf_start + per_layer + enc + self.half_rtt_s
+        last = pf_end + enc + self.half_rtt_s
+        return first, max(first + xfer.link_busy_s, last + wire)
 
     # -- decode -------------------------------------------------------------------------
 
     def _make_ready(self, inst: _Instance, rid: int, t: float) -> None:
         self.tr.ready_s[rid] = t
+        if not self.from_prefill:
+            self.tr.first_token_s[rid] = t
         if self.published:
             # queued on arrival already; an idle instance wakes when the earliest-arrived
             # waiting request is ready (the published loop walks requests in arrival order)
@@ -293,6 +353,14 @@ class Engine:
         waiting, reserve = inst.waiting, self.kv_bytes_per_token
         while waiting and inst.batch_n < self.max_batch:
             rid = waiting[0]
+            steps = tr.output_tokens[rid] - (1 if self.from_prefill else 0)
+            if steps == 0:  # the first token, from prefill, was the whole answer
+                waiting.popleft()
+                tr.join_s[rid] = t
+                tr.finish_s[rid] = tr.first_token_s[rid]
+                self.done[rid] = 1
+                self.load[inst.idx] -= 1
+                continue
             need = (tr.prompt_tokens[rid] + tr.output_tokens[rid]) * reserve
             if inst.kv_used + need > self.kv_budget:
                 break
@@ -300,7 +368,8 @@ class Engine:
             inst.batch_n += 1
             inst.kv_used += need
             tr.join_s[rid] = t
-            heapq.heappush(inst.finish_heap, (inst.steps_done + tr.output_tokens[rid], rid))
+            inst.fresh.append(rid)
+            heapq.heappush(inst.finish_heap, (inst.steps_done + steps, rid))
             heapq.heappush(inst.prompt_heap, (-tr.prompt_tokens[rid], rid))
 
     def _step_s(self, inst: _Instance) -> float:
@@ -345,12 +414,16 @@ class Engine:
             k = inst.finish_heap[0][0] - inst.steps_done
         inst.running = True
         inst.seg_start, inst.seg_d, inst.seg_k = t, d, k
+        second = self.tr.second_token_s
+        for rid in inst.fresh:  # their first decode step is this segment's first
+            second[rid] = t + d
         inst.version += 1
         self._push(t + k * d, DECODE, inst.idx, inst.version)
 
     def _segment_end(self, inst: _Instance, t: float) -> None:
         tr, k, d = self.tr, inst.seg_k, inst.seg_d
         inst.steps_done += k
+        inst.fresh.clear()
         if inst.batch_n:
             tr.step_s.append(d)
             tr.step_count.append(k)
@@ -377,6 +450,7 @@ class Engine:
                 rid = entry[0]
                 self.tr.prefill_end_s[rid] = t
                 self.tr.ready_s[rid] = t
+                self.tr.first_token_s[rid] = t
                 inst.waiting.append(rid)
         inst.seg_chunk = []
 

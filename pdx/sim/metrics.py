@@ -15,7 +15,9 @@ PERCENTILE_METHOD = "nearest-rank: sorted(x)[min(n-1, floor(n*p))]"
 
 
 def nearest_rank(values: np.ndarray, p: float) -> float:
-    """``sorted(values)[floor(n*p)]`` with the index clamped to the last element."""
+    """``sorted(values)[floor(n*p)]`` with the index clamped to the last element (NaNs, the
+    requests a figure does not apply to, are left out)."""
+    values = values[~np.isnan(values)]
     n = len(values)
     if n == 0:
         return math.nan
@@ -75,6 +77,10 @@ class ModeResult:
     link_mean_gbps: float | None
     transfer_p50_s: float | None
     transfer_p99_s: float | None
+    link_time_p50_s: float | None
+    link_time_p99_s: float | None
+    second_token_p50_s: float
+    second_token_p99_s: float
     prefill_wait_mean_s: float
     prefill_queue_mean: float
     prefill_queue_max: int
@@ -88,16 +94,23 @@ class ModeResult:
     events: int
 
 
-def _latency(tr: EngineTrace) -> dict[str, np.ndarray]:
+def _latency(tr: EngineTrace, cfg: SimConfig) -> dict[str, np.ndarray]:
     arrival = np.asarray(tr.arrival_s)
     ready = np.asarray(tr.ready_s)
     finish = np.asarray(tr.finish_s)
     out = np.asarray(tr.output_tokens, dtype=float)
+    if cfg.first_token_from == "prefill":  # as vLLM and pdx accept: (E2E - TTFT) / (n - 1)
+        first = np.asarray(tr.first_token_s)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            tpot = np.where(out > 1, (finish - first) / (out - 1), np.nan)
+    else:
+        first, tpot = ready, (finish - ready) / out
     return {
         "arrival": arrival,
-        "ttft": ready - arrival,
-        "tpot": (finish - ready) / out,
+        "ttft": first - arrival,
+        "tpot": tpot,
         "e2e": finish - arrival,
+        "second": np.asarray(tr.second_token_s) - arrival,
         "finish": finish,
         "out": out,
     }
@@ -119,14 +132,18 @@ def _itl(tr: EngineTrace) -> dict[str, Any]:
 
 
 def _link(tr: EngineTrace, makespan: float) -> dict[str, Any]:
-    shipped = ~np.asarray(tr.local_prefill, dtype=bool)
+    shipped = ~np.asarray(tr.local_prefill, dtype=bool) & ~np.isnan(tr.transfer_start_s)
     if tr.mode == "colocated" or not shipped.any():
         keys = ("link_utilisation", "link_bytes", "link_mean_gbps", "transfer_p50_s")
-        return dict.fromkeys((*keys, "transfer_p99_s", "link_queue_mean", "link_queue_max"))
+        more = ("link_time_p50_s", "link_time_p99_s", "link_queue_mean", "link_queue_max")
+        return dict.fromkeys((*keys, "transfer_p99_s", *more))
     pf_end = np.asarray(tr.prefill_end_s)[shipped]
     xfer_start = np.asarray(tr.transfer_start_s)[shipped]
     transfer = np.asarray(tr.ready_s)[shipped] - pf_end
+    on_link = np.asarray(tr.link_time_s)[shipped]
     return {
+        "link_time_p50_s": nearest_rank(on_link, 0.50),
+        "link_time_p99_s": nearest_rank(on_link, 0.99),
         "link_utilisation": tr.link_busy_s / makespan,
         "link_bytes": tr.link_bytes,
         "link_mean_gbps": tr.link_bytes * 8 / 1e9 / makespan,
@@ -139,10 +156,11 @@ def _link(tr: EngineTrace, makespan: float) -> dict[str, Any]:
 
 def summarize(tr: EngineTrace, cfg: SimConfig) -> ModeResult:
     """Reduce a raw engine trace to the reported figures."""
-    lat = _latency(tr)
+    lat = _latency(tr, cfg)
     arrival, ttft, tpot = lat["arrival"], lat["ttft"], lat["tpot"]
     makespan = float(lat["finish"].max() - arrival.min()) or math.inf
-    good = int(((ttft <= cfg.slo_ttft_s) & (tpot <= cfg.slo_tpot_s)).sum())
+    tpot_ok = np.isnan(tpot) | (tpot <= cfg.slo_tpot_s)  # one token: no TPOT to miss
+    good = int(((ttft <= cfg.slo_ttft_s) & tpot_ok).sum())
     pf_start = np.asarray(tr.prefill_start_s)
     ready, join = np.asarray(tr.ready_s), np.asarray(tr.join_s)
     return ModeResult(
@@ -153,7 +171,9 @@ def summarize(tr: EngineTrace, cfg: SimConfig) -> ModeResult:
         ttft_p95_s=nearest_rank(ttft, 0.95),
         ttft_p99_s=nearest_rank(ttft, 0.99),
         ttft_mean_s=float(ttft.mean()),
-        tpot_mean_s=float(tpot.mean()),
+        tpot_mean_s=float(np.nanmean(tpot)) if (~np.isnan(tpot)).any() else math.nan,
+        second_token_p50_s=nearest_rank(lat["second"], 0.50),
+        second_token_p99_s=nearest_rank(lat["second"], 0.99),
         tpot_p50_s=nearest_rank(tpot, 0.50),
         tpot_p99_s=nearest_rank(tpot, 0.99),
         e2e_p50_s=nearest_rank(lat["e2e"], 0.50),
