@@ -32,6 +32,7 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("link_utilisation", "link utilisation", "%"),
     ("link_mean_gbps", "link mean rate", "Gbit/s"),
     ("transfer_p99_s", "KV transfer p99", "s"),
+    ("second_token_p50_s", "second token p50", "s"),
     ("prefill_queue_mean", "prefill queue mean / max", "q"),
     ("link_queue_mean", "link queue mean / max", "q"),
     ("decode_queue_mean", "decode admission queue mean / max", "q"),
@@ -54,7 +55,21 @@ def _cell(result: Any, key: str, unit: str) -> str:
     return f"{value:.4g} {unit}".rstrip()
 
 
+def _render_calibration(con: Console, cal: dict[str, Any]) -> None:
+    table = Table(title=f"calibrated to {cal['report']} (link: {cal['link_step']})")
+    for h in ("parameter", "value", "from", "points", "max error"):
+        table.add_column(h, justify="right" if h in ("value", "points", "max error") else "left")
+    for f in cal["fits"]:
+        err = "-" if f["max_error_pct"] is None else f"{f['max_error_pct']:.1f} %"
+        table.add_row(f["param"], f"{f['value']:.4g}", f["source"], str(f["points"]), err)
+    con.print(table)
+    for note in cal["notes"]:
+        con.print(note, markup=False)
+
+
 def _render_report(con: Console, rep: Any) -> None:
+    if rep.calibration:
+        _render_calibration(con, rep.calibration)
     modes = [m for m in ("colocated", "disaggregated") if getattr(rep, m) is not None]
     table = Table(title=f"pdx simulate — {rep.workload}, compat={rep.compat}")
     table.add_column("metric")
@@ -223,6 +238,12 @@ def simulate_cmd(
     value_range: str | None = typer.Option(
         None, "--range", help="LOW:HIGH searched by --find-min."
     ),
+    calibrate: Path | None = typer.Option(
+        None, "--calibrate", help="Fit compute and link to a pdx accept report.json (or its dir)."
+    ),
+    calibrate_step: str | None = typer.Option(
+        None, "--calibrate-step", help="The report step whose link is fitted (default: first)."
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of tables."),
 ) -> None:
     """Simulate colocated vs disaggregated serving (default: the published illustration)."""
@@ -244,7 +265,17 @@ def simulate_cmd(
         "output_tokens": output_tokens,
         "trace": str(workload) if workload else None,
     }
-    cfg = load_sim_config(str(config) if config else None, preset, flags, set_)
+    fitted = None
+    if calibrate is not None:
+        from pdx.sim.calibrate import calibrate as fit_report
+        from pdx.sim.calibrate import read_report
+
+        fitted = fit_report(read_report(str(calibrate)), calibrate_step)
+    elif calibrate_step is not None:
+        raise InputError("--calibrate-step", calibrate_step, "with --calibrate REPORT")
+    cfg = load_sim_config(
+        str(config) if config else None, preset, flags, set_, fitted.fields if fitted else None
+    )
     if sweep and find_min_param:
         raise InputError("--sweep", sweep, "either --sweep or --find-min, not both")
     if sweep:
@@ -255,9 +286,13 @@ def simulate_cmd(
         res = find_min(cfg, find_min_param, parse_slo(slo), _parse_range(value_range))
         emit(res, as_json=as_json, render=_render_find_min)
     else:
+        from dataclasses import asdict
+
         from pdx.sim.runner import simulate
 
-        emit(simulate(cfg), as_json=as_json, render=_render_report)
+        rep = simulate(cfg)
+        rep.calibration = asdict(fitted) if fitted else None
+        emit(rep, as_json=as_json, render=_render_report)
 
 
 _CONFIG_FLAGS = (

@@ -26,6 +26,7 @@ class SimReport:
     colocated: ModeResult | None = None
     disaggregated: ModeResult | None = None
     config: dict[str, Any] = field(default_factory=dict)
+    calibration: dict[str, Any] | None = None
 
 
 def check_fits(cfg: SimConfig, workload: Workload) -> None:
