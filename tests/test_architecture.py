@@ -25,7 +25,7 @@ ALLOWED: dict[str, set[str]] = {
     "pdx.transfer": {"pdx.kv"},
     "pdx.link": {"pdx.transfer"},
     "pdx.serving": {"pdx.kv", "pdx.transfer", "pdx.faults"},
-    "pdx.accept": {"pdx.kv", "pdx.link", "pdx.faults", "pdx.serving", "pdx.transfer"},
+    "pdx.accept": {"pdx.kv", "pdx.sim", "pdx.link", "pdx.faults", "pdx.serving", "pdx.transfer"},
     "pdx.cli": {
         "pdx.kv",
         "pdx.sim",

@@ -136,6 +136,34 @@ class Topology:
             "qdiscs": state.get("qdiscs", {}),
         }
 
+    async def run_events(
+        self, events: list[Any], start: dict[str, Any], t0: float | None = None
+    ) -> list[dict[str, Any]]:
+        """Apply a step's ``wan_events`` live (the WAN timeline machinery), each at its time
+        from ``t0`` (default now); one fault event per change, as the step's timeline has."""
+        import time
+
+        from pdx.faults import netns
+        from pdx.faults.wan.conditions import WanConditions
+        from pdx.faults.wan.timeline import WanTimeline, run_wan_timeline
+
+        timeline = WanTimeline(events=events)
+        begin = WanConditions.model_validate(start)
+        offset = time.time() - t0 if t0 is not None else 0.0
+
+        def apply(wan: WanConditions) -> None:
+            netns.set_conditions(self.cfg.prefix, wan)
+
+        done = await asyncio.to_thread(run_wan_timeline, timeline, begin, apply)
+        return [
+            {
+                "t_s": round(d["actual_s"] + offset, 3),
+                "event": f"router hop: {d['what']}"
+                + ("" if d["ok"] else f" (failed: {d['error']})"),
+            }
+            for d in done
+        ]
+
     async def counters(self) -> dict[str, int]:
         """What the router hop did so far: the emulator's per-direction counters (wire
         packets in/out, lost, tail-dropped, reordered, duplicated), or the tbf's."""

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from pdx.config import build_config, read_yaml
+from pdx.faults.wan.timeline import WanEvent
 
 _Strict = ConfigDict(extra="forbid")
 
@@ -84,12 +85,26 @@ class Matrix(BaseModel):
     )
     network: list[str] = Field(default_factory=lambda: ["normal"], min_length=1)
     duration_s: PositiveFloat = 60.0
+    exclude: list[dict[str, str | int | float]] = Field(
+        default_factory=list,
+        description="cells left out of the product: each entry names some of network, "
+        "input_tokens, output_tokens, concurrency, rate_rps; a step matching all is dropped",
+    )
 
     @model_validator(mode="after")
     def _one_load_axis(self) -> Matrix:
         if (self.concurrency is None) == (self.rate_rps is None):
             raise ValueError("set exactly one of matrix.concurrency or matrix.rate_rps")
+        for i, cell in enumerate(self.exclude):
+            unknown = sorted(set(cell) - set(CELL_KEYS))
+            if unknown or not cell:
+                raise ValueError(
+                    f"matrix.exclude[{i}]: name some of {', '.join(CELL_KEYS)} (got {cell})"
+                )
         return self
+
+
+CELL_KEYS = ("network", "input_tokens", "output_tokens", "concurrency", "rate_rps")
 
 
 class Condition(BaseModel):
@@ -125,6 +140,11 @@ class Condition(BaseModel):
         default_factory=dict,
         description="criteria that differ under this condition (null = not judged here)",
     )
+    wan_events: list[WanEvent] = Field(
+        default_factory=list,
+        description="target.netns: changes of the router hop during the step (the WAN "
+        "timeline's events: at_s and set / cut / restore / reset), after its pre-flight",
+    )
 
     @model_validator(mode="after")
     def _link_down_pair(self) -> Condition:
@@ -150,6 +170,7 @@ class Condition(BaseModel):
             or self.loss
             or self.bandwidth_mbps
             or self.link_down_at_s is not None
+            or bool(self.wan_events)
         )
 
 
@@ -280,6 +301,30 @@ class Preflight(BaseModel):
     probe_streams: Annotated[int, Field(ge=1, le=16)] = 2
     probe_chunk_sizes: str = Field(default="256KiB,1MiB,4MiB", description="chunk sweep sizes")
     probe_chunk_seconds: Annotated[float, Field(ge=0.1, le=10, allow_inf_nan=False)] = 0.5
+    probe_each_step: bool = Field(
+        default=False,
+        description="probe the KV link again under each step's condition, before its load "
+        "(RTT, loss, goodput; the figures each step's prediction uses)",
+    )
+    probe_step_duration_s: Annotated[float, Field(ge=0.2, le=60, allow_inf_nan=False)] = Field(
+        default=0.5, description="probe-link --duration of each step's probe"
+    )
+
+
+class Prediction(BaseModel):
+    """The simulator beside every step: predicted vs measured latency, and what to set."""
+
+    model_config = _Strict
+    enabled: bool = Field(
+        default=False,
+        description="simulate each step (model, the step's probed link, the run's measured "
+        "compute, the step's own arrivals) and compare with what was measured",
+    )
+    error_max_pct: PositiveFloat = Field(
+        default=25.0,
+        description="a step whose measured figure departs from the prediction by more than "
+        "this (its whole confidence interval outside ±error_max_pct) is unexplained",
+    )
 
 
 class Playbook(BaseModel):
@@ -296,6 +341,7 @@ class Playbook(BaseModel):
     validity: Validity = Field(default_factory=lambda: Validity())
     load: Load = Field(default_factory=lambda: Load())
     preflight: Preflight = Field(default_factory=Preflight)
+    prediction: Prediction = Field(default_factory=Prediction)
     seed: int = 0
 
     @model_validator(mode="after")
@@ -310,6 +356,23 @@ class Playbook(BaseModel):
             raise ValueError("network faults need target.deploy (pdx must own the KV link)")
         if self.preflight.probe_link and self.target.url:
             raise ValueError("preflight.probe_link needs target.deploy (pdx must own the KV link)")
+        if self.prediction.enabled and not self.preflight.probe_link:
+            raise ValueError(
+                "prediction.enabled needs preflight.probe_link (the prediction uses the link "
+                "the probe measured)"
+            )
+        for name in self.matrix.network:
+            events = self.conditions[name].wan_events
+            if events and not self.target.netns.enabled:
+                raise ValueError(
+                    f"conditions.{name}.wan_events need target.netns (they change the router "
+                    "hop's packet-level conditions)"
+                )
+            if any(e.at_s >= self.matrix.duration_s for e in events):
+                raise ValueError(
+                    f"conditions.{name}.wan_events: every at_s must be < matrix.duration_s "
+                    f"({self.matrix.duration_s})"
+                )
         for name in self.matrix.network:
             c = self.conditions[name]
             if c.kill_prefill_at_s is not None and self.target.url:
@@ -365,10 +428,26 @@ def expand_steps(pb: Playbook) -> list[Step]:
         else [(None, r) for r in m.rate_rps or []]
     )
     combos = itertools.product(m.network, m.input_tokens, m.output_tokens, loads)
+    kept = [c for c in combos if not any(_matches(cell, *c[:3], *c[3]) for cell in m.exclude)]
     return [
         Step(i, inp, out, conc, rate, net, m.duration_s)
-        for i, (net, inp, out, (conc, rate)) in enumerate(combos)
+        for i, (net, inp, out, (conc, rate)) in enumerate(kept)
     ]
+
+
+def _matches(
+    cell: dict[str, Any], net: str, inp: int, out: int, conc: int | None, rate: float | None
+) -> bool:
+    """Whether a step is the ``matrix.exclude`` entry ``cell`` (every key it names agrees)."""
+    values: dict[str, Any] = {"network": net, "input_tokens": inp, "output_tokens": out,
+                              "concurrency": conc, "rate_rps": rate}  # fmt: skip
+
+    def same(a: Any, b: Any) -> bool:
+        if isinstance(a, int | float) and isinstance(b, int | float):
+            return float(a) == float(b)
+        return str(a) == str(b)
+
+    return all(same(values[k], v) for k, v in cell.items())
 
 
 def step_criteria(pb: Playbook, step: Step) -> Criteria:

@@ -118,6 +118,31 @@ def _resources(ax: Any, steps: list[StepReport]) -> None:
         a.set_xlabel("seconds (steps back to back)")
 
 
+def _prediction(ax: Any, steps: list[StepReport]) -> None:
+    """Per predicted metric: measured (with its interval) and predicted, step by step."""
+    from pdx.accept.prediction import METRICS
+
+    for a, metric in zip(ax, METRICS, strict=True):
+        xs, meas, pred, lo, hi = [], [], [], [], []
+        for i, s in enumerate(steps):
+            e = (s.prediction or {}).get(metric) or {}
+            if e.get("measured") is None or e.get("predicted") is None:
+                continue
+            low, high = e.get("interval") or (None, None)
+            xs.append(i)
+            meas.append(e["measured"])
+            pred.append(e["predicted"])
+            # an order statistic can sit past the interpolated quantile: clamp the bars at 0
+            lo.append(max(0.0, e["measured"] - (low if low is not None else e["measured"])))
+            hi.append(max(0.0, (high if high is not None else e["measured"]) - e["measured"]))
+        a.errorbar(xs, meas, yerr=[lo, hi], fmt="o", capsize=3, label="measured (interval)")
+        a.plot(xs, pred, "x", markersize=9, label="predicted")
+        a.set_xticks(range(len(steps)), [s.id.split("-", 1)[0] for s in steps])
+        a.set_title(metric)
+        a.set_ylabel("ms")
+    ax[0].legend(fontsize="small")
+
+
 def make_plots(
     steps: list[StepReport], records: dict[str, list[dict[str, Any]]], directory: Path
 ) -> dict[str, str]:
@@ -147,4 +172,6 @@ def make_plots(
     one("transfer-times.png", 1, lambda ax: _transfers(ax, records), width=7)
     if any(s.resources for s in steps):
         one("resources.png", 3, lambda ax: _resources(ax, steps), width=12)
+    if any(s.prediction for s in steps):
+        one("prediction-vs-measured.png", 5, lambda ax: _prediction(ax, steps), width=16)
     return out

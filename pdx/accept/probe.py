@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import re
 import secrets
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 
@@ -48,6 +49,27 @@ def probe_args(pb: Playbook, target: str) -> list[str]:
         p.probe_chunk_sizes,
         "--chunk-seconds",
         f"{p.probe_chunk_seconds:g}",
+    ]
+
+
+def step_probe_args(pb: Playbook, target: str, streams: int) -> list[str]:
+    """A short probe of the link under one step's condition: RTT and loss (UDP probes every
+    2 ms) and goodput with ``streams`` streams (the deploy's KV stripes) and one."""
+    p = pb.preflight
+    return [
+        "probe-link",
+        target,
+        "--json",
+        "--phases",
+        "latency,throughput",
+        "--duration",
+        f"{p.probe_step_duration_s:g}",
+        "--interval-ms",
+        "2",
+        "--streams",
+        str(streams),
+        "--max-duration",
+        f"{p.probe_step_duration_s + 0.5:g}",
     ]
 
 
@@ -98,17 +120,23 @@ async def _listening_port(proc: asyncio.subprocess.Process) -> int:
     return int(found.group(2))
 
 
-async def run_probe(pb: Playbook, host: str, netns: tuple[str, str] | None) -> dict[str, Any]:
+async def run_probe(
+    pb: Playbook,
+    host: str,
+    netns: tuple[str, str] | None,
+    args_for: Callable[[str], list[str]] | None = None,
+) -> dict[str, Any]:
     """Probe the link from decode's end to a server at the KV store (``host``).
 
-    ``netns`` = (prefill namespace, decode namespace) when the deploy runs in them.
-    Returns ``{"command", "server", "report"}`` or ``{"error"}``; never raises a
-    measurement failure (pre-flight informs, it does not judge the run).
+    ``netns`` = (prefill namespace, decode namespace) when the deploy runs in them;
+    ``args_for`` builds the probe-link arguments for the server's ``host:port`` (default: the
+    pre-flight's, :func:`probe_args`). Returns ``{"command", "server", "report"}`` or
+    ``{"error"}``; never raises a measurement failure (pre-flight informs, it does not judge).
     """
     secret = secrets.token_hex(16)
     try:
         async with probe_server(host, secret, netns[0] if netns else None) as where:
-            args = probe_args(pb, where)
+            args = (args_for or functools.partial(probe_args, pb))(where)
             prefix = ["ip", "netns", "exec", netns[1]] if netns else []
             proc = await asyncio.create_subprocess_exec(
                 *prefix,
@@ -173,6 +201,26 @@ def judge_demand(
     return probe
 
 
+def _retrans(run: dict[str, Any]) -> float | None:
+    """Segments the senders retransmitted, in percent of the segments they delivered."""
+    senders = run.get("sender_tcp") or []
+    sent = sum(t["bytes_acked"] / max(t["snd_mss"], 1) for t in senders if t.get("bytes_acked"))
+    if not sent:
+        return None
+    return 100.0 * sum(t.get("total_retrans", 0) for t in senders) / sent
+
+
+def _algorithms(tcp: dict[str, Any]) -> dict[str, Any]:
+    """Each end's default congestion control and what the single-stream senders used."""
+    single = tcp.get("single_stream") or {}
+    used = {s["congestion_control"] for s in single.values() if s.get("congestion_control")}
+    return {
+        "client": (tcp.get("client") or {}).get("congestion_control"),
+        "server": (tcp.get("server") or {}).get("congestion_control"),
+        "senders": sorted(used),
+    }
+
+
 def summary(probe: dict[str, Any] | None) -> dict[str, Any] | None:
     """The figures a reviewer reads first (also what ``report.md`` shows)."""
     report = (probe or {}).get("report")
@@ -195,6 +243,13 @@ def summary(probe: dict[str, Any] | None) -> dict[str, Any] | None:
             for c in report.get("chunks") or []
         ],
         "chunk_recommended_bytes": report.get("chunk_recommended_bytes"),
+        "down_runs": [
+            {"streams": r.get("streams"), "gbps": r.get("gbps"), "retransmit_pct": _retrans(r)}
+            for r in tp.get("runs") or []
+            if r.get("direction") == "down"
+        ],
+        "jitter_ms": (report.get("jitter_ms") or {}).get("rfc3550"),
+        "congestion_control": _algorithms(report.get("tcp") or {}),
         "kv_demand_gbps": (report.get("kv_demand") or {}).get("gbps"),
         "verdict": "GO" if verdict.get("go") else "NO-GO" if verdict else None,
         "rules": [

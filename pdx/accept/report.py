@@ -17,7 +17,7 @@ from pdx.accept.criteria import CriterionResult, ValidityResult
 from pdx.errors import InputError
 
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: recommendations became the settings object; the list is what_to_change
 
 
 class StepReport(BaseModel):
@@ -44,6 +44,24 @@ class StepReport(BaseModel):
         default=None,
         description="netns router: condition set (tbf, nft) and its counters this step",
     )
+    preflight: dict[str, Any] | None = Field(
+        default=None,
+        description="the link probed under this step's condition before its load "
+        "(preflight.probe_each_step): probe_link {command, server, report, summary}",
+    )
+    prediction: dict[str, dict[str, Any]] | None = Field(
+        default=None,
+        description="per metric (ttft_p50_ms, ttft_p99_ms, second_token_p50_ms, tpot_p50_ms, "
+        "transfer_p50_ms): predicted, measured, error_pct, interval, n, result",
+    )
+    unexplained: bool | None = Field(
+        default=None,
+        description="a measured figure's whole interval lies beyond ±error_max_pct of the "
+        "prediction (null: not predicted)",
+    )
+    prediction_model: dict[str, Any] | None = Field(
+        default=None, description="the simulator inputs of the step's prediction"
+    )
     timeline: list[dict[str, Any]] = Field(default_factory=list)
     recovery_s: float | None = None
     kv_stranded_byte_s: float | None = Field(
@@ -54,11 +72,35 @@ class StepReport(BaseModel):
     raw: dict[str, str] = Field(default_factory=dict, description="raw files, relative paths")
 
 
+class Recommendation(BaseModel):
+    """One setting the run's measurements recommend, and the figures behind it."""
+
+    model_config = ConfigDict(extra="forbid")
+    value: Any = Field(description="the setting (null when the run cannot tell)")
+    why: str
+    numbers: dict[str, Any] = Field(default_factory=dict)
+
+
+RECOMMENDATION_NAMES = (
+    "local_prefill_max_tokens",
+    "kv_streams",
+    "chunk_size_kb",
+    "codec",
+    "prefill_decode_ratio",
+    "congestion_control",
+)
+
+
+def no_recommendations(why: str) -> dict[str, Recommendation]:
+    """Every recommendation, none made, each saying why."""
+    return {n: Recommendation(value=None, why=why) for n in RECOMMENDATION_NAMES}
+
+
 class Report(BaseModel):
     """A signed-off (or refused) acceptance run."""
 
     model_config = ConfigDict(extra="forbid")
-    schema_version: Literal[1] = 1
+    schema_version: Literal[2] = 2
     name: str
     verdict: Literal["GO", "NO-GO", "INCONCLUSIVE"]
     valid: bool
@@ -69,7 +111,18 @@ class Report(BaseModel):
     target: dict[str, Any]
     criteria: list[CriterionResult]
     validity: list[ValidityResult]
-    recommendations: list[str]
+    what_to_change: list[str] = Field(
+        default_factory=list,
+        description="what would change each failure (schema 1: the list under recommendations)",
+    )
+    recommendations: dict[str, Recommendation] = Field(
+        default_factory=lambda: no_recommendations("not computed"),
+        description="settings for the measured link and load: local_prefill_max_tokens, "
+        "kv_streams, chunk_size_kb, codec, prefill_decode_ratio, congestion_control",
+    )
+    prediction_summary: dict[str, Any] | None = Field(
+        default=None, description="steps predicted, unexplained, the compute fitted to the run"
+    )
     steps: list[StepReport]
     formulas: dict[str, str]
     metric_names: dict[str, dict[str, str]] = Field(
@@ -107,9 +160,23 @@ def load_report(directory: Path | str) -> Report:
     if not p.is_file():
         raise InputError("report", str(directory), "a report directory containing report.json")
     try:
-        return Report.model_validate_json(p.read_text())
+        data = json.loads(p.read_text())
+        if isinstance(data, dict) and data.get("schema_version") == 1:
+            data = upgrade_v1(data)
+        return Report.model_validate(data)
     except ValueError as exc:
         raise InputError("report", str(p), f"a valid pdx report.json ({exc})") from None
+
+
+def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
+    """A schema-1 report as schema 2: its list of changes moves to what_to_change."""
+    out = dict(data, schema_version=2)
+    old = out.pop("recommendations", None)
+    out["what_to_change"] = list(old) if isinstance(old, list) else []
+    out["recommendations"] = {
+        k: v.model_dump() for k, v in no_recommendations("not in a schema 1 report").items()
+    }
+    return out
 
 
 def target_line(report: Report) -> str:
@@ -224,6 +291,82 @@ CRITERIA_HEADERS = [
 ]
 
 
+PREDICTION_HEADERS = [
+    "step",
+    "metric",
+    "predicted",
+    "measured",
+    "error",
+    "measured interval",
+    "n",
+    "result",
+]
+_RESULT_WORD = {"within": "within", "beyond": "BEYOND", "undecided": "undecided",
+                "not_compared": "—"}  # fmt: skip
+
+
+def prediction_rows(report: Report, short: bool = False) -> list[list[str]]:
+    """One row per step and predicted metric."""
+    rows = []
+    for s in report.steps:
+        for metric, e in (s.prediction or {}).items():
+            lo, hi = e.get("interval") or (None, None)
+            interval = "—" if e.get("interval") is None else (
+                f"[{_fmt(lo, 'ms') if lo is not None else '−∞'}, "
+                f"{_fmt(hi, 'ms') if hi is not None else '+∞'}]"
+            )  # fmt: skip
+            err = e.get("error_pct")
+            rows.append(
+                [
+                    s.id.split("-", 1)[0] if short else s.id,
+                    metric,
+                    _fmt(e.get("predicted"), "ms"),
+                    _fmt(e.get("measured"), "ms"),
+                    "—" if err is None else f"{err:+.1f} %",
+                    interval,
+                    str(e.get("n", "—")),
+                    _RESULT_WORD.get(str(e.get("result")), str(e.get("result"))),
+                ]
+            )
+    return rows
+
+
+def prediction_line(report: Report) -> str:
+    """How the prediction was made and judged, with the run's count of unexplained steps."""
+    ps = report.prediction_summary or {}
+    tol = ps.get("error_max_pct", 25)
+    where = ", ".join(ps.get("unexplained_steps") or []) or "none"
+    missing = "; ".join(f"{k}: {v}" for k, v in (ps.get("not_predicted") or {}).items())
+    return (
+        f"Each step simulated with the deployed model, the compute the servers reported over "
+        f"the run, the link that step's probe measured and the step's own requests. error = "
+        f"(measured − predicted) / predicted; a figure is BEYOND when its whole interval lies "
+        f"outside ±{tol:g} % of the prediction, within when it lies inside, undecided "
+        f"otherwise. {ps.get('unexplained', 0)} of {ps.get('predicted', 0)} predicted steps "
+        f"unexplained ({where})." + (f" Not predicted: {missing}." if missing else "")
+    )
+
+
+def unexplained_lines(report: Report) -> list[str]:
+    """Per unexplained step, the figures beyond the prediction."""
+    from pdx.accept.prediction import explain
+
+    tol = float((report.prediction_summary or {}).get("error_max_pct", 25))
+    out = []
+    for s in report.steps:
+        if s.unexplained and s.prediction:
+            out += [f"{s.id} unexplained: {line}" for line in explain(s.prediction, tol)]
+    return out
+
+
+def recommendation_rows(report: Report) -> list[list[str]]:
+    """Setting, value, why."""
+    return [
+        [name, "—" if r.value is None else str(r.value), r.why]
+        for name, r in report.recommendations.items()
+    ]
+
+
 def _md_table(headers: list[str], rows: list[list[str]]) -> str:
     out = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
@@ -239,8 +382,14 @@ def _headline(report: Report) -> str:
         if report.confidence > 0
         else "on point estimates (no confidence)"
     )
+    ps = report.prediction_summary or {}
+    unexplained = (
+        f" ({ps.get('unexplained', 0)} of {ps.get('predicted', 0)} steps unexplained)"
+        if ps.get("predicted")
+        else ""
+    )
     return (
-        f"{report.verdict}{state} — run {'VALID' if report.valid else 'INVALID'}; "
+        f"{report.verdict}{state} — run {'VALID' if report.valid else 'INVALID'}{unexplained}; "
         f"{met}/{len(report.criteria)} criteria met"
         + (f", {undecided} undecided" if undecided else "")
         + f" {how}"
@@ -401,8 +550,8 @@ def render_markdown(report: Report) -> str:
     ]
     if report.problems:
         parts.append("Problems:\n" + "\n".join(f"- {p}" for p in report.problems))
-    if report.recommendations:
-        parts.append("## What to change\n" + "\n".join(f"- {r}" for r in report.recommendations))
+    if report.what_to_change:
+        parts.append("## What to change\n" + "\n".join(f"- {r}" for r in report.what_to_change))
     parts.append(
         "## Criteria\n"
         + statistics_line(report)
@@ -418,6 +567,19 @@ def render_markdown(report: Report) -> str:
         )
     )
     parts.append("## Steps\n" + _md_table(STEP_HEADERS, step_rows(report)))
+    if report.prediction_summary:
+        parts.append(
+            "## Prediction vs measurement\n"
+            + prediction_line(report)
+            + "\n\n"
+            + _md_table(PREDICTION_HEADERS, prediction_rows(report))
+            + "".join(f"\n- {line}" for line in unexplained_lines(report))
+        )
+    if any(r.value is not None for r in report.recommendations.values()):
+        parts.append(
+            "## Recommended settings\n"
+            + _md_table(["setting", "value", "why"], recommendation_rows(report))
+        )
     gates = gate_lines(report)
     if gates:
         parts.append("## Gates: what the servers' own records show\n" + "\n".join(gates))
@@ -496,7 +658,7 @@ def _probe_lines(probe: dict[str, Any], s: dict[str, Any]) -> list[str]:
 
 
 def _css_class(cell: str) -> str:
-    return "fail" if cell.startswith(("FAIL", "INVALID", "UNDECIDED")) else ""
+    return "fail" if cell.startswith(("FAIL", "INVALID", "UNDECIDED", "BEYOND")) else ""
 
 
 def _html_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -534,8 +696,8 @@ def render_html(report: Report, images: dict[str, str]) -> str:
     ]
     if report.problems:
         parts.append("<ul>" + "".join(f"<li>{esc(p)}</li>" for p in report.problems) + "</ul>")
-    if report.recommendations:
-        items = "".join(f"<li>{esc(r)}</li>" for r in report.recommendations)
+    if report.what_to_change:
+        items = "".join(f"<li>{esc(r)}</li>" for r in report.what_to_change)
         parts.append(f"<h2>What to change</h2><ul>{items}</ul>")
     parts.append(
         f"<h2>Criteria</h2><p>{esc(statistics_line(report))}</p>"
@@ -547,6 +709,18 @@ def render_html(report: Report, images: dict[str, str]) -> str:
         "<h2>Validity</h2>" + (f"<ul>{items}</ul>" if items else "<p>All steps valid.</p>")
     )
     parts.append("<h2>Steps</h2>" + _html_table(STEP_HEADERS, step_rows(report)))
+    if report.prediction_summary:
+        items = "".join(f"<li>{esc(line)}</li>" for line in unexplained_lines(report))
+        parts.append(
+            f"<h2>Prediction vs measurement</h2><p>{esc(prediction_line(report))}</p>"
+            + _html_table(PREDICTION_HEADERS, prediction_rows(report))
+            + (f"<ul>{items}</ul>" if items else "")
+        )
+    if any(r.value is not None for r in report.recommendations.values()):
+        parts.append(
+            "<h2>Recommended settings</h2>"
+            + _html_table(["setting", "value", "why"], recommendation_rows(report))
+        )
     gates = gate_lines(report)
     if gates:
         items = "".join(f"<li>{esc(g.lstrip('- ').replace('**', ''))}</li>" for g in gates)
@@ -625,6 +799,54 @@ def diff_reports(a: Report, b: Report) -> list[dict[str, Any]]:
                 "b_result": cb.result if cb else None,
                 "status": status,
                 "unit": ca.unit if ca else cb.unit if cb else "",
+                "a_margin": ca.margin if ca else None,
+                "b_margin": cb.margin if cb else None,
+                "margin_change": cb.margin - ca.margin
+                if ca and cb and ca.margin is not None and cb.margin is not None
+                else None,
             }
         )
+    return rows
+
+
+def diff_predictions(a: Report, b: Report) -> list[dict[str, Any]]:
+    """Per (step, metric) predicted in either run: both errors and results."""
+    left = {s.id: s for s in a.steps}
+    right = {s.id: s for s in b.steps}
+    rows = []
+    for sid in sorted(set(left) | set(right)):
+        pa = (left[sid].prediction or {}) if sid in left else {}
+        pb = (right[sid].prediction or {}) if sid in right else {}
+        for metric in sorted(set(pa) | set(pb)):
+            ea, eb = pa.get(metric) or {}, pb.get(metric) or {}
+            rows.append(
+                {
+                    "step": sid,
+                    "metric": metric,
+                    "a_predicted": ea.get("predicted"),
+                    "b_predicted": eb.get("predicted"),
+                    "a_measured": ea.get("measured"),
+                    "b_measured": eb.get("measured"),
+                    "a_error_pct": ea.get("error_pct"),
+                    "b_error_pct": eb.get("error_pct"),
+                    "a_result": ea.get("result"),
+                    "b_result": eb.get("result"),
+                }
+            )
+        ua = left[sid].unexplained if sid in left else None
+        ub = right[sid].unexplained if sid in right else None
+        if ua or ub:
+            rows.append({"step": sid, "metric": "unexplained", "a_result": ua, "b_result": ub})
+    return rows
+
+
+def diff_recommendations(a: Report, b: Report) -> list[dict[str, Any]]:
+    """Per recommendation: the value in A and in B, whether it changed, B's reason."""
+    rows = []
+    for name in RECOMMENDATION_NAMES:
+        ra, rb = a.recommendations.get(name), b.recommendations.get(name)
+        va = ra.value if ra else None
+        vb = rb.value if rb else None
+        rows.append({"name": name, "a_value": va, "b_value": vb, "changed": va != vb,
+                     "b_why": rb.why if rb else None})  # fmt: skip
     return rows

@@ -97,6 +97,7 @@ class AcceptRun:
         self.preflight: dict[str, Any] | None = None
         self.topology: Topology | None = None
         self.gates: GateContext | None = None
+        self.kv_measured: dict[str, Any] | None = None
 
     @property
     def total_s(self) -> float:
@@ -277,6 +278,7 @@ class AcceptRun:
 
         probe = (self.preflight or {}).get("probe_link")
         kv = (self.preflight or {}).pop("_kv", None)
+        self.kv_measured = kv  # the prediction sizes the model from it too
         if probe is None:
             return
         rps: float | None
@@ -313,6 +315,7 @@ class AcceptRun:
         metrics_url = self.url + self.pb.target.metrics_path
         before = await scrape(metrics_url)
         kernel = await self.topology.apply(cond) if self.topology else None
+        step_link = await self._probe_step()
         router_before = await self.topology.counters() if self.topology else None
         proxy_before = await self.link.stats() if self.link else None
         if cond.idle_s:  # idle-gap: nothing is sent, then the load starts as a burst
@@ -321,6 +324,7 @@ class AcceptRun:
         if self.link is not None:
             await self.link.apply(cond, t0)
         kill = self._schedule_kill(cond, t0)
+        wan = self._schedule_wan_events(cond, kernel, t0)
         self.locust = LocustRun(locustfile, step_dir / "locust.log")
         args = step_args(self.pb, step, self.url, step_dir)
         run = asyncio.create_task(
@@ -328,6 +332,7 @@ class AcceptRun:
         )
         resources = await self._watch(step, run, t0)
         rc = await run
+        wan_events = await wan if wan is not None else []
         if rc not in (0, 1):  # 1 = Locust saw failed requests; anything else: it did not run
             tail = (step_dir / "locust.log").read_text(errors="replace").strip()[-400:]
             raise MeasurementError(f"Locust exited with code {rc} in {step.id}: {tail}")
@@ -344,12 +349,44 @@ class AcceptRun:
             step, step_dir, t0, rc, (before, after), (proxy_before, proxy_after), resources, gate
         )
         outcome.report.kernel = kernel
+        outcome.report.preflight = {"probe_link": step_link} if step_link is not None else None
+        outcome.report.fault_events += wan_events
         if kill is not None:
             outcome.report.fault_events.append(await kill)
             outcome.report.recovery_s = recovery_s(
                 outcome.report.timeline, float(cond.kill_prefill_at_s or 0.0), 0.0
             )
         return outcome
+
+    async def _probe_step(self) -> dict[str, Any] | None:
+        """The link under this step's condition, before its load (preflight.probe_each_step)."""
+        pf = self.pb.preflight
+        if not (pf.probe_each_step and pf.probe_link):
+            return None
+        from pdx.accept.probe import run_probe, step_probe_args, summary
+
+        host = self.topology.prefill_addr if self.topology else self._kv_host()
+        ns = (self.topology.prefill_ns, self.topology.decode_ns) if self.topology else None
+        streams = self._deploy_facts().kv_streams if self.pb.target.deploy else pf.probe_streams
+        probe = await run_probe(
+            self.pb, host, ns, lambda where: step_probe_args(self.pb, where, streams)
+        )
+        probe["summary"] = summary(probe)
+        return probe
+
+    def _deploy_facts(self) -> Any:
+        from pdx.accept.prediction import deploy_facts
+
+        return deploy_facts(self.pb, self.playbook_dir)
+
+    def _schedule_wan_events(
+        self, cond: Any, kernel: dict[str, Any] | None, t0: float
+    ) -> asyncio.Task[list[dict[str, Any]]] | None:
+        """The step's router-hop changes (conditions.X.wan_events), timed from the load's start."""
+        if not cond.wan_events or self.topology is None or kernel is None:
+            return None
+        events = self.topology.run_events(cond.wan_events, kernel["conditions"], t0)
+        return asyncio.create_task(events)
 
     def _schedule_kill(self, cond: Any, t0: float) -> asyncio.Task[dict[str, Any]] | None:
         """The step's prefill kill (kill_prefill_at_s), as a task, when it has one."""
@@ -471,6 +508,7 @@ class AcceptRun:
         step_data = [
             (o.step, {**o.report.summary, "elapsed_s": o.report.elapsed_s}) for o in self.outcomes
         ]
+        settings, prediction_summary = self._predict()
         recs = judge.recommendations(
             failed, [v for v in validity if not v.valid], step_data, self.pb.preflight.link_gbps
         )
@@ -496,7 +534,9 @@ class AcceptRun:
             target=self.target_info,
             criteria=criteria,
             validity=validity,
-            recommendations=recs,
+            what_to_change=recs,
+            recommendations=settings,
+            prediction_summary=prediction_summary,
             steps=steps,
             formulas=FORMULAS,
             metric_names=METRIC_NAMES,
@@ -509,6 +549,23 @@ class AcceptRun:
         )
         write_report(report, self.report_dir, images)
         return report
+
+    def _predict(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        """Each step's prediction (set on its report) and the run's recommendations."""
+        from pdx.accept.report import no_recommendations
+
+        if not self.pb.prediction.enabled:
+            why = "prediction.enabled is off (the recommendations come from the simulator)"
+            return no_recommendations(why), None
+        try:
+            from pdx.accept.forecast import predict_run
+
+            steps = [(o.step, o.report, o.records) for o in self.outcomes]
+            pre = {**(self.preflight or {}), "_kv": self.kv_measured}
+            return predict_run(self.pb, self.playbook_dir, steps, pre)
+        except Exception as exc:  # the prediction must never cost the reviewer the report
+            self.problems.append(f"prediction failed: {type(exc).__name__}: {exc}")
+            return no_recommendations(f"prediction failed: {exc}"), None
 
 
 EXIT_CODES = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}

@@ -10,17 +10,22 @@ from rich.table import Table
 
 from pdx.accept.report import (
     CRITERIA_HEADERS,
+    PREDICTION_HEADERS,
     Report,
     _headline,
     criteria_rows,
+    prediction_line,
+    prediction_rows,
     preflight_lines,
+    recommendation_rows,
     statistics_line,
+    unexplained_lines,
 )
 
 
 def _mark(cell: str) -> str:
     text = escape(cell)
-    if cell.startswith(("FAIL", "INVALID")):
+    if cell.startswith(("FAIL", "INVALID", "BEYOND")):
         return f"[bold red]{text}[/]"
     if cell.startswith("UNDECIDED"):
         return f"[bold yellow]{text}[/]"
@@ -95,7 +100,20 @@ def render_report(console: Console, report: Report) -> None:
     for st in report.steps:
         for why in st.summary.get("gates_not_measured") or []:
             console.print(f"{short[st.id]}: not judged: {why}", markup=False, highlight=False)
-    for r in report.recommendations:
+    if report.prediction_summary:
+        rows = prediction_rows(report, short=True)
+        console.print(_table("prediction vs measurement (ms)", PREDICTION_HEADERS, rows))
+        console.print(prediction_line(report), markup=False, highlight=False)
+        for line in unexplained_lines(report):
+            console.print(line, markup=False, highlight=False)
+    if any(r.value is not None for r in report.recommendations.values()):
+        t = Table(title="recommended settings", title_justify="left")
+        for h in ("setting", "value", "why"):
+            t.add_column(h, overflow="fold")
+        for row in recommendation_rows(report):
+            t.add_row(*(escape(c) for c in row))
+        console.print(t)
+    for r in report.what_to_change:
         console.print(f"- {r}", markup=False, highlight=False)
     if report.preflight:
         console.print("pre-flight:")
@@ -113,10 +131,10 @@ def render_diff(console: Console, data: dict[str, Any]) -> None:
     a, b = data["a"], data["b"]
     console.print(f"A: {a['name']} {a['verdict']}  →  B: {b['name']} {b['verdict']}")
     t = Table()
-    for h in ("criterion", "step", "A", "B", "change", "threshold A→B", "status"):
+    for h in ("criterion", "step", "A", "B", "change", "threshold A→B", "margin A→B", "status"):
         t.add_column(h)
+    fmt = lambda v: "—" if v is None else f"{v:.4g}"  # noqa: E731
     for r in data["rows"]:
-        fmt = lambda v: "—" if v is None else f"{v:.4g}"  # noqa: E731
         t.add_row(
             r["criterion"],
             _short_step(r["step"]),
@@ -124,6 +142,38 @@ def render_diff(console: Console, data: dict[str, Any]) -> None:
             fmt(r["b_measured"]),
             fmt(r["change"]),
             f"{fmt(r['a_threshold'])}→{fmt(r['b_threshold'])}",
+            f"{fmt(r.get('a_margin'))}→{fmt(r.get('b_margin'))}",
             r["status"],
         )
+    console.print(t)
+    _render_prediction_diff(console, data.get("predictions") or [])
+    _render_recommendation_diff(console, data.get("recommendations") or [])
+
+
+def _render_prediction_diff(console: Console, rows: list[dict[str, Any]]) -> None:
+    if not rows:
+        return
+    t = Table(title="prediction error (measured vs predicted)", title_justify="left")
+    for h in ("step", "metric", "error A", "error B", "result A→B"):
+        t.add_column(h)
+    pct = lambda v: "—" if v is None else f"{v:+.1f} %"  # noqa: E731
+    for r in rows:
+        t.add_row(
+            _short_step(r["step"]),
+            r["metric"],
+            pct(r.get("a_error_pct")),
+            pct(r.get("b_error_pct")),
+            f"{r.get('a_result')}→{r.get('b_result')}",
+        )
+    console.print(t)
+
+
+def _render_recommendation_diff(console: Console, rows: list[dict[str, Any]]) -> None:
+    if not any(r["a_value"] is not None or r["b_value"] is not None for r in rows):
+        return
+    t = Table(title="recommendations", title_justify="left")
+    for h in ("setting", "A", "B", "changed"):
+        t.add_column(h)
+    for r in rows:
+        t.add_row(r["name"], str(r["a_value"]), str(r["b_value"]), "yes" if r["changed"] else "")
     console.print(t)

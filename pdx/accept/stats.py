@@ -19,6 +19,10 @@ FORMULAS: dict[str, str] = {
     "(positive = room to spare)",
     "percentiles": "numpy linear interpolation over exact per-request values of ok requests",
     "ttft_ms": "time of the first SSE event carrying content − intended send time",
+    "second_token_ms": "TTFT + the first gap between content-carrying SSE events (requests "
+    "with at least two content events): when the second token reached the client",
+    "timings_ms": "the servers' own per-request figures in `pdx.timings_ms` (prefill compute, "
+    "local prefill on decode, KV store put, decode's wait for the KV, its first decode step)",
     "tpot_ms": "(E2E − TTFT) / (output tokens − 1), output tokens from the server's usage",
     "itl_ms": "gap between consecutive content-carrying SSE events (every gap of every request)",
     "e2e_ms": "time `data: [DONE]` arrived − intended send time",
@@ -165,7 +169,34 @@ def samples(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
         "ttft_ms": [r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None],
         "tpot_ms": [r["tpot_ms"] for r in ok if r.get("tpot_ms") is not None],
         "transfer_ms": [float(t) for t in xfer if t is not None and float(t) > 0],
+        "second_token_ms": second_token_ms(ok),
     }
+
+
+def second_token_ms(ok: list[dict[str, Any]]) -> list[float]:
+    """When each request's second token arrived: TTFT + its first inter-token gap."""
+    return [
+        float(r["ttft_ms"]) + float(r["itl_ms"][0])
+        for r in ok
+        if r.get("ttft_ms") is not None and r.get("itl_ms")
+    ]
+
+
+TIMING_KEYS = ("prefill", "local_prefill", "kv_store", "decode_kv_ready", "first_decode_step")
+
+
+def server_timings(rows: list[dict[str, Any]]) -> dict[str, dict[str, float | None]]:
+    """Distributions of the servers' per-request figures (``pdx.timings_ms``), positive only."""
+    out: dict[str, dict[str, float | None]] = {}
+    for key in TIMING_KEYS:
+        values = [
+            float(t[key])
+            for r in rows
+            if r.get("ok") and isinstance(t := (r.get("pdx") or {}).get("timings_ms"), dict)
+            and isinstance(t.get(key), int | float) and t[key] > 0
+        ]  # fmt: skip
+        out[key] = distribution(values)
+    return out
 
 
 def summarize(rows: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
@@ -193,6 +224,8 @@ def summarize(rows: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
         "error_rate": len(failed) / len(rows) if rows else None,
         "ttft_ms": distribution([r["ttft_ms"] for r in ok if r.get("ttft_ms") is not None]),
         "tpot_ms": distribution([r["tpot_ms"] for r in ok if r.get("tpot_ms") is not None]),
+        "second_token_ms": distribution(second_token_ms(ok)),
+        "timings_ms": server_timings(rows),
         "itl_ms": distribution([g for r in ok for g in r.get("itl_ms") or []]),
         "e2e_ms": distribution([r["e2e_ms"] for r in ok if r.get("e2e_ms") is not None]),
         "queue_ms": distribution([r.get("queue_ms") or 0.0 for r in rows]),

@@ -147,8 +147,14 @@ def diff(
     b: Path = typer.Argument(..., help="the later report directory"),
     as_json: bool = typer.Option(False, "--json", help="print the rows as JSON"),
 ) -> None:
-    """Per criterion and step: what changed between report A and report B."""
-    from pdx.accept.report import diff_reports, load_report
+    """Per criterion and step: what changed between report A and report B (measured value,
+    threshold, margin, result), then the prediction errors and the recommended settings."""
+    from pdx.accept.report import (
+        diff_predictions,
+        diff_recommendations,
+        diff_reports,
+        load_report,
+    )
     from pdx.accept.show import render_diff
 
     ra, rb = load_report(a), load_report(b)
@@ -156,6 +162,8 @@ def diff(
         "a": {"verdict": ra.verdict, "name": ra.name},
         "b": {"verdict": rb.verdict, "name": rb.name},
         "rows": diff_reports(ra, rb),
+        "predictions": diff_predictions(ra, rb),
+        "recommendations": diff_recommendations(ra, rb),
     }
     emit(data, as_json=as_json, render=render_diff)
 

@@ -96,7 +96,7 @@ def _report(values: list[tuple[float, tuple[float, float]]]) -> list[Report]:
         )  # fmt: skip
         out.append(Report(name="r", verdict="GO", valid=True, complete=True, exit_code=0,
                           started_at="", finished_at="", target={}, criteria=[c], validity=[],
-                          recommendations=[], steps=[], formulas={}, playbook={},
+                          what_to_change=[], steps=[], formulas={}, playbook={},
                           environment={}))  # fmt: skip
     return out
 

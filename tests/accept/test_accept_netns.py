@@ -48,7 +48,7 @@ def _run(tmp_path: Path, extra: list[str]) -> tuple[int, str, dict]:
 
 def test_kernel_conditions_and_proxy_faults_across_namespaces(tmp_path: Path) -> None:
     code, output, data = _run(tmp_path, [])
-    assert code == 0, (output, data["recommendations"], data["problems"])
+    assert code == 0, (output, data["what_to_change"], data["problems"])
     assert data["target"]["netns"]["prefill"] == f"{PREFIX}-prefill"
     normal, capped, cut = data["steps"]
     assert normal["kernel"]["rate_mbit"] == 1000 and capped["kernel"]["rate_mbit"] == 5

@@ -106,8 +106,8 @@ def test_go_then_no_go_with_override_then_diff(sse_server, tmp_path: Path) -> No
     failed = [c for c in b["criteria"] if not c["passed"]]
     assert [c["name"] for c in failed] == ["ttft_p99_ms"]
     assert failed[0]["margin"] < 0 and failed[0]["threshold"] == 0.001
-    assert any("TTFT over SLA" in r for r in b["recommendations"])
-    assert any("no tested load meets the latency SLA" in r for r in b["recommendations"])
+    assert any("TTFT over SLA" in r for r in b["what_to_change"])
+    assert any("no tested load meets the latency SLA" in r for r in b["what_to_change"])
 
     b_dir = _only_report(tmp_path / "b")
     show = runner.invoke(app, ["report", "show", str(b_dir)])
@@ -144,7 +144,7 @@ def test_invalid_run_is_no_go_and_says_why(sse_server, tmp_path: Path) -> None:
     assert data["verdict"] == "NO-GO" and not data["valid"]
     assert all(c["passed"] for c in data["criteria"])  # criteria met, run still refused
     assert "validity.min_requests 100000" in data["validity"][0]["problems"][0]
-    assert "not valid" in data["recommendations"][0]
+    assert "not valid" in data["what_to_change"][0]
     kv = data["preflight"]["measure_kv"]["result"]
     assert kv["kv_bytes_per_token"] == 131072  # Llama-3.1-8B, bf16: 2·32·8·128·2
 

@@ -30,7 +30,7 @@ def test_smoke_go_with_fault_step(tmp_path: Path) -> None:
         app, ["accept", str(SMOKE), "--out", str(tmp_path), "--no-progress"]
     )
     data = _report(tmp_path)
-    assert result.exit_code == 0, (result.output, data["recommendations"])
+    assert result.exit_code == 0, (result.output, data["what_to_change"])
     assert data["verdict"] == "GO" and data["valid"] and data["complete"]
     # A defensible GO: every criterion decided at 95 % with its interval clearing the threshold.
     assert data["confidence"] == 0.95
@@ -109,7 +109,7 @@ def test_smoke_inconclusive_when_the_sample_cannot_prove_999(tmp_path: Path) -> 
     assert data == _report(tmp_path)
     facts = {k: v for k, v in data["steps"][0]["summary"].items() if k.startswith("kv_stranded")}
     assert result.exit_code == 3 and data["verdict"] == "INCONCLUSIVE", (
-        data["recommendations"],
+        data["what_to_change"],
         facts,
     )
     assert data["exit_code"] == 3 and data["valid"]
@@ -120,4 +120,4 @@ def test_smoke_inconclusive_when_the_sample_cannot_prove_999(tmp_path: Path) -> 
     if data["steps"][0]["summary"]["transfers_succeeded"] == n:  # none failed
         assert c["requests_needed"] == 2995
     assert any("undecided: run it for at least" in r and "transfers" in r
-               for r in data["recommendations"])  # fmt: skip
+               for r in data["what_to_change"])  # fmt: skip

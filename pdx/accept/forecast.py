@@ -1,0 +1,113 @@
+"""A run's predictions and recommendations, assembled from its steps.
+
+The compute comes from the servers' own timings (:func:`pdx.sim.calibrate.compute_fits`):
+the step's own when it has at least ``OWN_COMPUTE_MIN`` prefills (a shared machine's speed
+drifts between steps; the link is what the prediction tests), else the whole run's. The
+model comes from the pre-flight measure-kv, the link of each step from its own probe
+(``preflight.probe_each_step``) or else the pre-flight baseline. Each step's
+report gets ``prediction``, ``unexplained`` and ``prediction_model``; the run gets
+``recommendations`` (:mod:`pdx.accept.advice`) and ``prediction_summary``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from pdx.accept import advice
+from pdx.accept.playbook import Playbook, Step, step_criteria
+from pdx.accept.prediction import (
+    StepPrediction,
+    deploy_facts,
+    predict_step,
+    run_summary,
+    sim_fields,
+)
+from pdx.accept.report import Recommendation, StepReport
+
+
+def _step_dict(step: Step, report: StepReport) -> dict[str, Any]:
+    return {
+        "id": step.id,
+        "input_tokens": step.input_tokens,
+        "output_tokens": step.output_tokens,
+        "summary": report.summary,
+    }
+
+
+OWN_COMPUTE_MIN = 5
+
+
+def _compute(
+    step: Step, report: StepReport, run: dict[str, Any], model: dict[str, Any]
+) -> tuple[dict[str, Any], str]:
+    """The step's own compute figures over the run's, when it has enough prefills."""
+    from pdx.sim.calibrate import compute_fits
+
+    t = report.summary.get("timings_ms") or {}
+    n = sum(int((t.get(k) or {}).get("count") or 0) for k in ("prefill", "local_prefill"))
+    if n < OWN_COMPUTE_MIN:
+        return run, "the run's server timings"
+    own, _ = compute_fits([_step_dict(step, report)], model)
+    return {**run, **own}, "the step's own server timings"
+
+
+def _link(report: StepReport, baseline: dict[str, Any] | None) -> tuple[dict[str, Any], str]:
+    own = ((report.preflight or {}).get("probe_link") or {}).get("summary")
+    if own:
+        return own, "the step's own probe"
+    return dict((baseline or {}).get("summary") or {}), "the pre-flight baseline probe"
+
+
+def predict_run(
+    pb: Playbook,
+    playbook_dir: Path,
+    steps: list[tuple[Step, StepReport, list[dict[str, Any]]]],
+    preflight: dict[str, Any],
+) -> tuple[dict[str, Recommendation], dict[str, Any]]:
+    """Predict every step (in place on its report); the run's recommendations and summary."""
+    from pdx.sim.calibrate import compute_fits, model_fields
+
+    kv = preflight.get("measure_kv") or preflight.get("_kv")
+    model = model_fields({"preflight": {"measure_kv": kv}, "name": pb.name})
+    compute, fits = compute_fits([_step_dict(s, r) for s, r, _ in steps], model)
+    facts = deploy_facts(pb, playbook_dir)
+    baseline = preflight.get("probe_link")
+    tol, conf = pb.prediction.error_max_pct, pb.judgement.confidence
+    done: list[tuple[str, StepPrediction]] = []
+    inputs: list[advice.StepInput] = []
+    for step, report, records in steps:
+        link, link_from = _link(report, baseline)
+        own, compute_from = _compute(step, report, compute, model)
+        fields = sim_fields(own, model, link, facts) if link else None
+        pred = predict_step(fields, records, link_from, conf, tol)
+        pred.model["compute_from"] = compute_from
+        report.prediction, report.unexplained = pred.figures, pred.unexplained
+        report.prediction_model = pred.model
+        done.append((step.id, pred))
+        probe_report = ((report.preflight or {}).get("probe_link") or {}).get("report")
+        inputs.append(
+            advice.StepInput(
+                id=step.id,
+                input_tokens=step.input_tokens,
+                criteria=step_criteria(pb, step),
+                fields=pred.fields,
+                workload=pred.workload,
+                link=link,
+                probe_report=probe_report,
+                summary=report.summary,
+                elapsed_s=report.elapsed_s,
+                router=dict((report.kernel or {}).get("router_counters") or {}),
+            )
+        )
+    run = advice.RunInput(
+        steps=inputs,
+        facts=facts,
+        baseline=(baseline or {}).get("report"),
+        kv_bytes_per_token=model["kv_bytes_per_token"],
+    )
+    settings = {k: Recommendation(**v) for k, v in advice.recommend(run).items()}
+    summary = run_summary(done, tol, [asdict(f) for f in fits])
+    summary["facts"] = asdict(facts)
+    return settings, summary
