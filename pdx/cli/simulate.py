@@ -79,10 +79,12 @@ def _render_report(con: Console, rep: Any) -> None:
         table.add_row(label, *(_cell(getattr(rep, m), key, unit) for m in modes))
     con.print(table)
     con.print(f"percentiles: {rep.percentile_method}", markup=False)
-    con.print(
-        "ITL: durations of decode steps, over all steps; TPOT: per request, "
-        "(last token - first token) / output tokens"
+    per = (
+        "(last token - first token) / (output tokens - 1), first token from prefill"
+        if rep.config.get("first_token_from") == "prefill"
+        else "(last token - first token) / output tokens"
     )
+    con.print(f"ITL: durations of decode steps, over all steps; TPOT: per request, {per}")
     con.print(
         f"simulated {rep.requests} requests in {rep.wall_s:.2f} s "
         f"({rep.events_per_s:,.0f} events/s)"

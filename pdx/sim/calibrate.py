@@ -255,8 +255,8 @@ def calibrate(report: dict[str, Any], link_step: str | None = None) -> Calibrati
         if not match:
             raise InputError("--calibrate-step", link_step, f"one of {[s['id'] for s in steps]}")
         chosen = match[0]
-    model_used = chosen.get("prediction_model") or {}
-    link, lfits = link_fits(report, chosen, model, float(model_used.get("link_round_trips", 1)))
+    used = (chosen.get("prediction_model") or {}).get("fields") or {}  # what the run predicted with
+    link, lfits = link_fits(report, chosen, model, float(used.get("link_round_trips", 1)))
     fields.update(link)
     workload = _workload(steps)
     if workload:

@@ -173,7 +173,7 @@ def _measured_report(tmp_path: Path) -> Path:
                                   "transfer_ms": {"p50": xfer_ms}},
                       "preflight": {"probe_link": {"summary": {"rtt_p50_ms": 40.0,
                                                                "loss_down_pct": 0.0}}},
-                      "prediction_model": {"link_round_trips": 2.0}})  # fmt: skip
+                      "prediction_model": {"fields": {"link_round_trips": 2.0}}})  # fmt: skip
     report = {"name": "measured", "steps": steps, "preflight": {"measure_kv": {"result": KV}}}
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
