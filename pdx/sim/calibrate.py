@@ -231,7 +231,7 @@ def _workload(steps: list[dict[str, Any]]) -> dict[str, Any]:
         "prompt_tokens": lengths,
         "prompt_weights": [weights[x] for x in lengths],
         "output_tokens": statistics.median_low(outs),
-        "rate_per_s": max(statistics.mean(rates), 1e-3),
+        "rate_per_s": float(f"{max(statistics.mean(rates), 1e-3):.4g}"),
     }
 
 
