@@ -98,6 +98,7 @@ def sim_fields(
         "link_rtt_s": float(link["rtt_p50_ms"]) / 1e3,
         "link_loss": min(0.5, float(link.get("loss_down_pct") or 0.0) / 100),
         "link_round_trips": 2.0 if facts.kv_streams > 1 else 1.0,
+        "link_sharing": "fair",  # concurrent transfers are TCP flows sharing the link's rate
         # BBR's goodput already holds its losses; CUBIC's stalls are what the stall model adds
         "link_loss_recovery": "pipelined" if facts.congestion_control == "bbr" else "stall",
         "prefill_instances": facts.prefill_instances,

@@ -246,6 +246,7 @@ def calibrate(report: dict[str, Any], link_step: str | None = None) -> Calibrati
         "decode_weight_reads": "per_step",
         "first_token_from": "prefill",
         "link_loss_recovery": "pipelined",
+        "link_sharing": "fair",
     }
     compute, fits = compute_fits(steps, model)
     fields.update(compute)

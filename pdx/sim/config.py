@@ -67,8 +67,10 @@ class SimConfig(BaseModel):
     link_loss: float = Field(0.0, ge=0, lt=1, description="packet loss probability")
     link_jitter_s: float = Field(0.0, ge=0, description="mean of exponential extra delay")
     link_mss_bytes: int = Field(1448, gt=0, description="segment size used by the loss model")
-    link_sharing: Literal["fifo", "none"] = Field(
-        "fifo", description="fifo: transfers queue on one link; none: each gets full bandwidth"
+    link_sharing: Literal["fifo", "fair", "none"] = Field(
+        "fifo",
+        description="fifo: transfers queue on one link; fair: the transfers in flight share "
+        "its rate equally (concurrent TCP flows); none: each gets full bandwidth",
     )
     link_round_trips: float = Field(
         1.0, ge=0, description="round trips of link_rtt_s each transfer waits (request, lookups)"
@@ -151,6 +153,8 @@ class SimConfig(BaseModel):
                     "compat 'published' models one prefill and one decode instance with no "
                     "local prefill or chunking; remove the pool options"
                 )
+        if self.kv_overlap != "off" and self.link_sharing == "fair":
+            raise ValueError("kv_overlap layerwise models a fifo or unshared link, not fair")
         if not self.modes:
             raise ValueError("modes must name at least one of colocated, disaggregated")
         return self

@@ -22,6 +22,7 @@ from pdx.sim.link import LinkModel, Transfer
 from pdx.sim.workload import Workload
 
 ARRIVAL, PREFILL_DONE, READY, DECODE = 0, 1, 2, 3  # also the tie order at equal times
+LINK_JOIN, LINK_DONE = 4, 5  # link_sharing fair: a transfer joins the link; the next one ends
 POOL = -1  # PREFILL_DONE from the prefill pool (not an instance's local prefill)
 
 
@@ -135,6 +136,11 @@ class Engine:
         self.pool_free: list[tuple[float, int]] = [(0.0, s) for s in range(cfg.prefill_instances)]
         self.link = LinkModel(cfg, seed=cfg.workload.seed + 1)
         self.link_free_at = 0.0
+        # link_sharing fair: rid -> its remaining link time at the full rate, and what follows
+        self.sharing: dict[int, float] = {}
+        self.after_link: dict[int, tuple[float, float, float, int, float]] = {}
+        self.link_t = 0.0
+        self.link_version = 0
         self.heap: list[tuple[float, int, int, int, int]] = []
         self.seq = itertools.count()
         self.done = bytearray(n)
@@ -182,6 +188,11 @@ class Engine:
                 self._make_ready(inst, a, t)
             elif kind == PREFILL_DONE:
                 self._prefill_done(a, b, t)
+            elif kind == LINK_JOIN:
+                self._link_join(a, t)
+            elif kind == LINK_DONE:
+                if a == self.link_version:
+                    self._link_done(t)
             else:
                 self._arrival(a, t)
                 if a + 1 < n:
@@ -279,6 +290,15 @@ class Engine:
         self.load[inst.idx] += 1
         inst.inflight += 1
         xfer = self.link.transfer(tr.prompt_tokens[rid])
+        if self.cfg.link_sharing == "fair":
+            asked = t + xfer.encode_s + self.half_rtt_s
+            tr.transfer_start_s[rid] = asked
+            tr.link_busy_s += xfer.link_busy_s
+            tr.link_bytes += xfer.wire_bytes
+            self.after_link[rid] = (xfer.link_busy_s, xfer.extra_latency_s, xfer.decode_s,
+                                    inst.idx, asked)  # fmt: skip
+            self._push(asked, LINK_JOIN, rid, 0)
+            return
         if self.layers:
             asked, done = self._layerwise(xfer, tr.prefill_start_s[rid], t)
             start = tr.transfer_start_s[rid] = self.link_free_at if self._queued(asked) else asked
@@ -294,6 +314,36 @@ class Engine:
         arrived = done + xfer.extra_latency_s
         tr.link_time_s[rid] = arrived - asked
         self._push(arrived + xfer.decode_s, READY, rid, inst.idx)
+
+    # -- link_sharing fair: the transfers on the link share its rate equally ---------------
+
+    def _link_advance(self, t: float) -> None:
+        if self.sharing:
+            share = (t - self.link_t) / len(self.sharing)
+            for rid in self.sharing:
+                self.sharing[rid] -= share
+        self.link_t = t
+
+    def _link_next(self, t: float) -> None:
+        self.link_version += 1
+        if self.sharing:
+            left = min(self.sharing.values())
+            self._push(t + max(left, 0.0) * len(self.sharing), LINK_DONE, self.link_version, 0)
+
+    def _link_join(self, rid: int, t: float) -> None:
+        self._link_advance(t)
+        self.sharing[rid] = self.after_link[rid][0]
+        self._link_next(t)
+
+    def _link_done(self, t: float) -> None:
+        self._link_advance(t)
+        tr = self.tr
+        for rid in [r for r, left in self.sharing.items() if left <= 1e-12]:
+            del self.sharing[rid]
+            _, extra, decode_s, idx, asked = self.after_link.pop(rid)
+            tr.link_time_s[rid] = t + extra - asked
+            self._push(t + extra + decode_s, READY, rid, idx)
+        self._link_next(t)
 
     def _queued(self, asked: float) -> bool:
         """Whether a transfer ready at ``asked`` waits for the one before it (fifo link)."""

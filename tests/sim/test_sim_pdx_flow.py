@@ -136,3 +136,21 @@ def test_layerwise_overlap_starts_the_transfer_after_the_first_layer() -> None:
         SimConfig.model_validate(
             {**PUBLISHED_ILLUSTRATION, "compat": "published", "kv_overlap": "layerwise"}
         )
+
+
+def test_fair_link_shares_its_rate_between_transfers_in_flight() -> None:
+    # two prompts at once on two prefill instances: both transfers start together
+    wl = Workload([0.0, 0.0], [1024, 1024], [2, 2], "pair")
+    wire_s = 1024 * 131072 / 1e8
+    fifo = run_mode(cfg(prefill_instances=2), wl, "disaggregated")
+    fair = run_mode(cfg(prefill_instances=2, link_sharing="fair"), wl, "disaggregated")
+    assert sorted(fifo.link_time_s) == pytest.approx([wire_s + 0.04, 2 * wire_s + 0.04])
+    assert fair.link_time_s == pytest.approx([2 * wire_s + 0.04] * 2)
+    assert fair.link_busy_s == pytest.approx(fifo.link_busy_s)
+    # one joins halfway through the other's: the first gets half the rate from then on
+    late = Workload([0.0, wire_s / 2], [1024, 1024], [2, 2], "late")
+    tr = run_mode(cfg(prefill_instances=2, link_sharing="fair"), late, "disaggregated")
+    first, second = tr.link_time_s
+    assert first == pytest.approx(1.5 * wire_s + 0.04)
+    assert second == pytest.approx(1.5 * wire_s + 0.04)
+    assert tr.ready_s[1] - tr.ready_s[0] == pytest.approx(wire_s / 2)
