@@ -13,18 +13,19 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.errors import PdxError
 from pdx.serving.backends.base import KVState, ModelBackend
-from pdx.serving.backends.kvwire import decode_kv
+from pdx.serving.backends.kvwire import StreamRebuild, decode_kv
 from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
 from pdx.serving.deploy_config import DecodeConfig, DeployConfig, NodeOptions
 from pdx.serving.kv_settings import kv_client_config
@@ -61,6 +62,13 @@ class Fetched:
     transfer_ms: float
     retries: int
     model_version: str = ""
+    # Streamed KV (kv.streaming): the object's tail (prefill's first token), how long the
+    # Get waited on the writer and the bytes stored only after it began.
+    tail: bytes = b""
+    streamed: bool = False
+    wait_ms: float = 0.0
+    bytes_while_writing: int = 0
+    joined: Callable[[], bytes | memoryview] | None = None  # payload, joined on demand
 
 
 class KVSource(Protocol):
@@ -68,6 +76,13 @@ class KVSource(Protocol):
 
     async def fetch(self, endpoint: str, kv_id: str) -> Fetched:
         """Read the whole object (deadline, retries, checksums); raise KVError on failure."""
+        ...
+
+    async def fetch_streamed(
+        self, endpoint: str, kv_id: str, on_bytes: Callable[[str, memoryview], None]
+    ) -> Fetched:
+        """Read an object that may still be written, chunks as they are stored; ``on_bytes``
+        gets the codec and each verified chunk's bytes in order, as they arrive."""
         ...
 
     async def release(self, endpoint: str, kv_id: str) -> None:
@@ -349,21 +364,50 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         req, st, e = seq.request, seq.stats, self.engine
         await self._wait_for_memory(req)
         self.fetching += 1
+        rebuild: list[StreamRebuild] = []  # the early rebuild of a streamed object
         try:
-            got = await self.kv.fetch(req.kv_endpoint, req.kv_id)
+            if req.first_token_in_kv:  # streamed KV: read it while prefill still writes it
+
+                def on_bytes(codec: str, data: memoryview) -> None:
+                    if not rebuild:
+                        rebuild.append(StreamRebuild(codec))
+                    rebuild[0].feed(data)  # raw: each tensor rebuilt as its bytes arrive
+
+                got = await self.kv.fetch_streamed(req.kv_endpoint, req.kv_id, on_bytes)
+            else:
+                got = await self.kv.fetch(req.kv_endpoint, req.kv_id)
         finally:
             self.fetching -= 1
         st.kv_bytes, st.transfer_ms, st.retries = got.kv_bytes, got.transfer_ms, got.retries
         st.transfer_outcome = "ok"
+        st.kv_streamed, st.kv_wait_ms = got.streamed, got.wait_ms
+        st.kv_bytes_while_writing = got.bytes_while_writing
+        first: serving_pb2.PrefillFirstToken | None = None
+        if req.first_token_in_kv:
+            try:
+                first = serving_pb2.PrefillFirstToken.FromString(got.tail)
+            except DecodeError:
+                raise KVUnusable(
+                    "kv_tail_invalid", "the object's tail is not a first token"
+                ) from None
+            if not 0 <= first.first_token < e.backend.vocab_size:
+                raise KVUnusable("kv_tail_invalid", f"first token {first.first_token} in the tail")
         if got.model_version and got.model_version != e.backend.model_version:
             # KV from other weights would decode into silently wrong tokens: never use it.
             raise KVUnusable("model_version_mismatch", f"KV from {got.model_version}")
         length = len(req.prompt_token_ids)
-        seq.state = await e.run_model(decode_kv, got.payload, got.layout, e.backend, length)
+        if rebuild and got.joined is not None:
+            seq.state = rebuild[0].finish(got.joined, got.kv_bytes, got.layout, e.backend, length)
+        else:
+            payload = got.joined() if got.joined is not None else got.payload
+            seq.state = await e.run_model(decode_kv, payload, got.layout, e.backend, length)
         # Acknowledge only once the KV is rebuilt here: then the store may delete it. The
         # acknowledgement is one more round trip: it is sent once this sequence's first decoded
         # token is out (see _serve), not between the fetch and that token.
         seq.release_due = True
+        if first is not None and not seq.tokens:  # prefill's first token, from the tail
+            lp = first.first_logprob if first.HasField("first_logprob") else None
+            e.emit(seq, first.first_token, lp)
 
     def _release_if_due(self, seq: Sequence) -> None:
         if seq.release_due:
@@ -480,6 +524,30 @@ class ClientSource:
         )
         size = int(obj.info.size_bytes)
         return Fetched(obj.data, layout, size, ms, retries, obj.info.model_version)
+
+    async def fetch_streamed(
+        self, endpoint: str, kv_id: str, on_bytes: Callable[[str, memoryview], None]
+    ) -> Fetched:
+        """A Get of an object still being written (gRPC; chunks as they are stored)."""
+        client = self._client(endpoint)
+        t0 = time.perf_counter()
+
+        def on_chunk(info: Any, data: memoryview) -> None:
+            on_bytes(info.layout.codec, data)
+
+        got = await client.get_streamed(kv_id, on_chunk=on_chunk)
+        ms = (time.perf_counter() - t0) * 1e3
+        obj = got.obj
+        layout = {
+            "codec": obj.layout.codec,
+            "shapes": obj.layout.shapes,
+            "tensor_bytes": obj.layout.tensor_bytes,
+        }
+        size = int(obj.info.size_bytes)
+        return Fetched(b"", layout, size, ms, got.record.retries, obj.info.model_version,
+                       tail=bytes(obj.info.tail), streamed=True, wait_ms=got.wait_ms,
+                       bytes_while_writing=got.bytes_while_writing,
+                       joined=lambda: obj.data)  # fmt: skip
 
     async def release(self, endpoint: str, kv_id: str) -> None:
         """Acknowledge release."""

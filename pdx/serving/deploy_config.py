@@ -60,6 +60,11 @@ class KVConfig(BaseModel):
         "or the data plane when offered (auto); kv.via_proxy needs grpc",
     )
     via_proxy: bool = Field(False, description="route decode's KV reads through a fault proxy")
+    streaming: bool = Field(
+        False,
+        description="streamed KV: prefill stores each layer's KV as the forward pass produces "
+        "it and decode reads the object while it is written (docs/kv-transfer.md)",
+    )
     proxy_host: str = Field(
         "127.0.0.1",
         description="where the KV-link fault proxy listens: the decode side (pdx deploy's own "

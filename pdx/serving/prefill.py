@@ -22,7 +22,8 @@ from typing import Any, Protocol
 import grpc
 
 from pdx._proto import serving_pb2, serving_pb2_grpc
-from pdx.serving.backends.base import KVState, ModelBackend
+from pdx.kv.codecs import get_codec
+from pdx.serving.backends.base import KVState, LayerSink, ModelBackend
 from pdx.serving.backends.kvwire import EncodedKV, encode_kv
 from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
 from pdx.serving.deploy_config import DeployConfig, KVConfig, NodeOptions, PrefillConfig
@@ -45,6 +46,17 @@ class KVSink(Protocol):
     async def put(self, encoded: EncodedKV, model_version: str, ttl_s: int) -> tuple[str, int]:
         """Store an object; return (kv_id, stored bytes)."""
         ...
+
+    async def open(self, reserve_bytes: int, codec: str, model_version: str, ttl_s: int) -> Any:
+        """Open a streamed object (kv.streaming): a :class:`pdx.transfer.client.StreamWriter`."""
+        ...
+
+
+def reserve_bytes(raw_bytes: int, tensors: int) -> int:
+    """An upper bound of a codec's output for ``raw_bytes`` in ``tensors`` tensors: what a
+    streamed object reserves before its size is known (the unused part is freed at close).
+    Covers a codec's frame header per tensor and the worst expansion of zstd and lz4."""
+    return raw_bytes + raw_bytes // 64 + tensors * 4096 + 65536
 
 
 class TokenBucket:
@@ -113,6 +125,65 @@ def _prefill_and_pick(
     return state, choose(logits, sampling, prompt=ids, output=[], eos_token_id=eos)
 
 
+def _prefill_layers_and_pick(
+    backend: ModelBackend, ids: list[int], sampling: Sampling, on_layer: LayerSink
+) -> tuple[KVState, Picked]:
+    state, logits = backend.prefill_layers(ids, on_layer)
+    eos = backend.eos_token_id
+    return state, choose(logits, sampling, prompt=ids, output=[], eos_token_id=eos)
+
+
+class _LayerWriter:
+    """Layers from the model thread → encoded on the codec pool → the object's Put stream.
+
+    The model thread only queues each layer (``on_layer``); encoding runs beside the
+    forward pass of the next layers, and the encoded bytes join the Put stream in order.
+    """
+
+    def __init__(
+        self, writer: Any, codec: str, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor
+    ) -> None:
+        self.writer, self.codec, self.loop, self.pool = writer, codec, loop, pool
+        self.encoder = get_codec(codec)
+        self.queue: asyncio.Queue[tuple[list[Any], list[str]]] = asyncio.Queue()
+        self.shapes: list[list[int]] = []
+        self.roles: list[str] = []
+        self.tensor_bytes: list[int] = []
+        self.dtype = ""
+        self.layers = 0
+        self.task = loop.create_task(self._drain())
+
+    def on_layer(self, tensors: list[Any], roles: list[Any]) -> None:
+        """(model thread) One layer's KV exists."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (tensors, list(roles)))
+
+    def _encode(self, tensors: list[Any], roles: list[str]) -> list[bytes]:
+        return [self.encoder.encode(t, r) for t, r in zip(tensors, roles, strict=True)]  # type: ignore[arg-type]
+
+    async def _drain(self) -> None:
+        while True:
+            tensors, roles = await self.queue.get()
+            if not tensors:
+                return
+            blobs = await self.loop.run_in_executor(self.pool, self._encode, tensors, roles)
+            for t, role, blob in zip(tensors, roles, blobs, strict=True):
+                self.writer.write(blob)
+                self.shapes.append(list(t.shape))
+                self.roles.append(role)
+                self.tensor_bytes.append(len(blob))
+                self.dtype = self.dtype or str(t.dtype).removeprefix("torch.")
+            self.layers += 1
+
+    async def close(self, tail: bytes) -> Any:
+        """Wait for every queued layer, then close the object with its final layout."""
+        self.queue.put_nowait(([], []))
+        await self.task
+        layout = KVLayout(num_layers=self.layers, dtype=self.dtype, shapes=self.shapes,
+                          codec=self.codec, tensor_bytes=self.tensor_bytes,
+                          roles=self.roles)  # fmt: skip
+        return await self.writer.close(layout, tail)
+
+
 class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     """gRPC Prefill: bounded admission → model prefill → encode → KV store put.
 
@@ -151,6 +222,10 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.PrefillEvent]:
         """Run one prompt; answer the first token at once, then the kv_id once stored."""
+        if self.kv_cfg.streaming:
+            async for event in self._prefill_streamed(request, context):
+                yield event
+            return
         ids = await self._admit(request, context)
         self._waiting += 1
         arrived = time.perf_counter()
@@ -179,6 +254,74 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
                     raise
         finally:
             self._waiting -= 1
+
+    async def _prefill_streamed(
+        self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[serving_pb2.PrefillEvent]:
+        """kv.streaming: open the object, announce its kv_id, store each layer's KV as the
+        forward pass produces it, answer the first token, then close the object.
+
+        The object's tail carries the first token (a serialized PrefillFirstToken), so a
+        decode that started reading at the ``opened`` event learns it with the last chunk.
+        A failed or abandoned prefill aborts the Put: readers get KV_INCOMPLETE.
+        """
+        ids = await self._admit(request, context)
+        self._waiting += 1
+        arrived = time.perf_counter()
+        try:
+            async with self._slots:
+                codec = request.codec or self.kv_cfg.codec
+                raw, count = self.backend.kv_bytes_bound(len(ids))
+                version, ttl = self.backend.model_version, self.kv_cfg.kv_ttl_seconds
+                try:
+                    writer = await self.sink.open(reserve_bytes(raw, count), codec, version, ttl)
+                except KVError as exc:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, f"KV store open: {exc}")
+                opened = serving_pb2.PrefillOpened(kv_id=writer.kv_id,
+                                                   kv_endpoint=self.sink.endpoint)  # fmt: skip
+                layers: _LayerWriter | None = None
+                try:
+                    yield serving_pb2.PrefillEvent(opened=opened)
+                    layers = _LayerWriter(writer, codec, asyncio.get_running_loop(),
+                                          self._codec_pool)  # fmt: skip
+                    done = await self._compute_streamed(request, ids, arrived, layers)
+                    writer.mark_overlap()
+                    first = done.first_event(self.backend)
+                    yield serving_pb2.PrefillEvent(first=first)
+                    info = await layers.close(first.SerializeToString())
+                except BaseException:
+                    writer.abort()
+                    if layers is not None:
+                        layers.task.cancel()
+                    raise
+                overlap_bytes, overlap_ms = writer.overlap or (0, 0.0)
+                stored = serving_pb2.PrefillReply(
+                    kv_id=writer.kv_id, first_token=done.first_token,
+                    kv_endpoint=self.sink.endpoint, kv_bytes=info.size_bytes,
+                    kv_raw_bytes=done.state.nbytes, prefill_ms=done.prefill_ms,
+                    store_ms=(time.perf_counter() - done.done_at) * 1e3, queue_ms=done.queue_ms,
+                    model_version=version, codec=codec, kv_overlap_bytes=overlap_bytes,
+                    kv_overlap_ms=overlap_ms, kv_streamed=True,
+                )  # fmt: skip
+                yield serving_pb2.PrefillEvent(stored=stored)
+        finally:
+            self._waiting -= 1
+
+    async def _compute_streamed(
+        self,
+        request: serving_pb2.PrefillRequest,
+        ids: list[int],
+        arrived: float,
+        layers: _LayerWriter,
+    ) -> Prefilled:
+        started = time.perf_counter()
+        sampling = Sampling.from_proto(request.sampling)
+        state, first = await asyncio.get_running_loop().run_in_executor(
+            self._model, _prefill_layers_and_pick, self.backend, ids, sampling, layers.on_layer
+        )
+        done = time.perf_counter()
+        queue_ms, prefill_ms = (started - arrived) * 1e3, (done - started) * 1e3
+        return Prefilled(state, first.token, prefill_ms, queue_ms, done, first.message())
 
     def _release_unclaimed(self, put: asyncio.Future[serving_pb2.PrefillReply]) -> None:
         """The caller left before it learnt the kv_id: nobody else can release the object.
@@ -273,6 +416,13 @@ class StoreSink:
             encoded.payload, layout, model_version=model_version, ttl_s=ttl_s
         )
         return str(kv_id), len(encoded.payload)
+
+    async def open(self, reserve_bytes: int, codec: str, model_version: str, ttl_s: int) -> Any:
+        """Open a streamed object reserving ``reserve_bytes``; return its writer."""
+        layout = KVLayout(codec=codec)
+        return await self.client.open(
+            reserve_bytes, layout, model_version=model_version, ttl_s=ttl_s
+        )
 
     async def release(self, kv_id: str) -> None:
         """Delete an object no consumer will ever ask for (its request is gone)."""

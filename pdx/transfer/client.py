@@ -603,7 +603,13 @@ class KVClient:
         req.kv_id = opened.info.kv_id
         return StreamWriter(self, req, header)
 
-    async def get_streamed(self, kv_id: str, *, size_hint: int | None = None) -> StreamedGet:
+    async def get_streamed(
+        self,
+        kv_id: str,
+        *,
+        size_hint: int | None = None,
+        on_chunk: Callable[[pb.ObjectInfo, memoryview], None] | None = None,
+    ) -> StreamedGet:
         """Fetch an object that may still be written: chunks as they are stored (gRPC).
 
         Verifies every chunk on arrival and the whole object against its closed info. The
@@ -612,7 +618,7 @@ class KVClient:
         """
         req = self._begin("get", kv_id, size_bytes=size_hint)
         req.transport = "grpc"
-        got = StreamAssembly(kv_id)
+        got = StreamAssembly(kv_id, on_chunk)
         try:
             await self._get_range(req, 0, got, 0, 0, grpc_only=True)
             obj = got.finish()

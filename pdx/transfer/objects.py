@@ -5,7 +5,7 @@ a fetched object from chunks that arrive over one or more streams.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 import xxhash
@@ -192,8 +192,11 @@ class StreamAssembly(Assembly):
     """A Get of a streamed object: chunks verified by their own digest as they arrive, then
     against the closed object's info (every chunk digest and the object digest)."""
 
-    def __init__(self, kv_id: str) -> None:
+    def __init__(
+        self, kv_id: str, on_chunk: Callable[[pb.ObjectInfo, memoryview], None] | None = None
+    ) -> None:
         super().__init__(kv_id)
+        self.on_chunk = on_chunk  # each verified chunk, in order (a consumer rebuilding early)
         self.stored_at_start = 0  # chunks the store held when the Get began
         self.closed: pb.ObjectInfo | None = None
         self.first_s = 0.0  # perf_counter() at the first info and at the closed info
@@ -214,6 +217,8 @@ class StreamAssembly(Assembly):
         info = self.info
         if info is None or not info.writing or self.closed is not None:
             super().add(index, raw)
+            if self.on_chunk is not None and info is not None:
+                self.on_chunk(info, self.chunks[index])  # type: ignore[arg-type]
             return
         try:
             chunk = parse_chunk(raw)
@@ -226,6 +231,8 @@ class StreamAssembly(Assembly):
             raise self.corrupt(index, "digest mismatch")
         self.chunks[index] = chunk.data
         self._hash_prefix()
+        if self.on_chunk is not None:
+            self.on_chunk(info, chunk.data)
 
     def close(self, info: pb.ObjectInfo) -> None:
         """The closed object's info: its final size, layout and digests."""

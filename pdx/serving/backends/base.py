@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
 
@@ -45,6 +46,12 @@ class KVState:
     def nbytes(self) -> int:
         """Bytes the tensors occupy uncompressed."""
         return sum(t.numel() * t.element_size() for t in self.tensors)
+
+
+Role = Literal["key", "value", "other"]
+#: Called (on the model thread) with one layer's KV tensors and their roles, in layer order,
+#: as soon as the forward pass has produced them; the tensors are not changed afterwards.
+LayerSink = Callable[[list["torch.Tensor"], list[Role]], None]
 
 
 class ModelBackend(ABC):
@@ -93,6 +100,24 @@ class ModelBackend(ABC):
     @abstractmethod
     def prefill(self, token_ids: list[int]) -> tuple[KVState, torch.Tensor]:
         """Run the prompt; return its KV and the logits of the next token (1-D)."""
+
+    def prefill_layers(
+        self, token_ids: list[int], on_layer: LayerSink
+    ) -> tuple[KVState, torch.Tensor]:
+        """:meth:`prefill`, handing each layer's KV to ``on_layer`` as soon as it exists.
+
+        The state returned holds the same tensors, in the same order. This default hands
+        every layer over once the whole pass is done; backends that can do better override it.
+        """
+        state, logits = self.prefill(token_ids)
+        roles = state.roles or ["other"] * len(state.tensors)
+        for a in range(0, len(state.tensors), 2):
+            on_layer(state.tensors[a : a + 2], list(roles[a : a + 2]))
+        return state, logits
+
+    def kv_bytes_bound(self, tokens: int) -> tuple[int, int]:
+        """(uncompressed KV bytes, tensor count) of a ``tokens``-token prompt, before it runs."""
+        raise NotImplementedError(f"{self.name}: KV size not known before prefill")
 
     @abstractmethod
     def decode_step(

@@ -7,8 +7,14 @@ records shapes, dtype, codec and each encoded length so the receiver can split a
 
 from __future__ import annotations
 
+import json
+import math
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+
+import torch
 
 from pdx.errors import InputError
 from pdx.kv.codecs import get_codec
@@ -59,3 +65,105 @@ def decode_kv(
         tensors.append(tensor)
         offset += size
     return backend.kv_from_tensors(tensors, length)
+
+
+class StreamRebuild:
+    """Rebuild a streamed object's tensors while its bytes arrive (decode, kv.streaming).
+
+    With the ``raw`` codec each tensor's encoded length follows from its frame header, so a
+    tensor is decoded as soon as its last byte is in: the rebuild overlaps the transfer.
+    Other codecs' lengths are known only from the closed object's layout: they are decoded
+    at :meth:`finish`. Every byte fed here was checked against its chunk digest; ``finish``
+    runs only after the whole object's digest matched, and checks every tensor against the
+    closed layout.
+    """
+
+    def __init__(self, codec: str) -> None:
+        self.codec = codec
+        self.early = codec == "raw"
+        self.decoder = get_codec(codec)
+        self.pending: list[memoryview] = []
+        self.pending_len = 0
+        self.tensors: list[Any] = []
+        self.sizes: list[int] = []
+        self.failed: InputError | None = None
+        self.decode_s = 0.0  # time spent decoding as bytes arrived
+
+    def feed(self, data: memoryview) -> None:
+        """The next bytes of the object, in order."""
+        if not self.early or self.failed is not None:
+            return
+        self.pending.append(data)
+        self.pending_len += len(data)
+        t0 = time.perf_counter()
+        try:
+            while (n := self._next_length()) is not None and self.pending_len >= n:
+                blob = self._take(n)
+                self.tensors.append(self.decoder.decode(blob))
+                self.sizes.append(n)
+        except InputError as exc:  # judged at finish, against the closed layout
+            self.failed = exc
+        self.decode_s += time.perf_counter() - t0
+
+    def _peek(self, n: int) -> bytes:
+        out = bytearray()
+        for piece in self.pending:
+            out += piece[: n - len(out)]
+            if len(out) >= n:
+                break
+        return bytes(out)
+
+    def _take(self, n: int) -> bytes:
+        parts: list[memoryview] = []
+        got = 0
+        while got < n:
+            piece = self.pending[0]
+            need = n - got
+            if len(piece) <= need:
+                parts.append(piece)
+                self.pending.pop(0)
+                got += len(piece)
+            else:
+                parts.append(piece[:need])
+                self.pending[0] = piece[need:]
+                got += need
+        self.pending_len -= n
+        return b"".join(parts)
+
+    def _next_length(self) -> int | None:
+        """Length of the next raw blob, once its header is in (None: not yet)."""
+        from pdx.kv.codecs.base import _HEADER, _MAGIC, dtype_from_name
+
+        if self.pending_len < _HEADER.size:
+            return None
+        magic, head_len = _HEADER.unpack(self._peek(_HEADER.size))
+        if magic != _MAGIC or head_len > 1 << 16:
+            raise InputError("kv payload", "bad frame header", "a raw codec frame")
+        if self.pending_len < _HEADER.size + head_len:
+            return None
+        meta = json.loads(self._peek(_HEADER.size + head_len)[_HEADER.size :])
+        numel = math.prod(int(d) for d in meta["shape"])
+        item = torch.empty((), dtype=dtype_from_name(meta["dtype"])).element_size()
+        return int(_HEADER.size + head_len + numel * item)
+
+    def finish(
+        self, payload: Callable[[], bytes | memoryview], size: int, layout: dict[str, Any],
+        backend: ModelBackend, length: int,
+    ) -> KVState:  # fmt: skip
+        """The state, once the whole object (``size`` bytes; ``payload()`` joins them only
+        when something is left to decode) is in and verified."""
+        if not self.early or self.failed is not None:
+            return decode_kv(payload(), layout, backend, length)
+        sizes, shapes = list(layout["tensor_bytes"]), list(layout["shapes"])
+        if self.sizes != sizes[: len(self.sizes)] or sum(sizes) != size:
+            raise InputError("kv payload", "tensor lengths", "the closed object's layout")
+        offset = sum(self.sizes)
+        rest = sizes[len(self.sizes) :]
+        view = memoryview(payload()) if rest else memoryview(b"")
+        for size in rest:  # whatever did not complete early
+            self.tensors.append(self.decoder.decode(view[offset : offset + size]))
+            offset += size
+        for tensor, shape in zip(self.tensors, shapes, strict=True):
+            if list(tensor.shape) != list(shape):
+                raise InputError("kv tensor shape", list(tensor.shape), f"{list(shape)}")
+        return backend.kv_from_tensors(self.tensors, length)

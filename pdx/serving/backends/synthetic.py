@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from typing import Any
@@ -17,10 +18,11 @@ from typing import Any
 import torch
 
 from pdx.errors import InputError
-from pdx.serving.backends.base import BackendConfig, KVState, ModelBackend
+from pdx.serving.backends.base import BackendConfig, KVState, LayerSink, ModelBackend
 from pdx.serving.backends.tokenizer import ByteTokenizer, Tokenizer
 
 _VOCAB = 260
+_KV_CACHE_LENGTHS = 2  # prompt lengths whose KV bytes are kept for reuse
 
 
 @dataclass(frozen=True)
@@ -104,6 +106,7 @@ class SyntheticBackend(ModelBackend):
         self.spec = synthetic_spec(cfg.preset)
         self._tokenizer = ByteTokenizer()
         self._gen_seed = cfg.seed
+        self._kv_cache: dict[int, list[tuple[list[torch.Tensor], list[Any]]]] = {}
 
     @property
     def model_version(self) -> str:
@@ -145,11 +148,28 @@ class SyntheticBackend(ModelBackend):
         logits[torch.arange(len(tokens)), torch.tensor(tokens)] = 1.0
         return logits
 
-    def _state(self, length: int) -> KVState:
+    def _layers(self, length: int) -> Iterator[tuple[list[torch.Tensor], list[Any]]]:
+        """Each layer's tensors and roles, in order: the same bytes for the same length.
+
+        The bytes carry no information, so generating them is not the imitated model's work:
+        the layers of the last few lengths are kept (never changed by anyone) and handed out
+        again, instead of drawing hundreds of MiB of random bytes per request (seconds of CPU
+        an 8B-class prompt would otherwise add to the roofline's prefill time).
+        """
+        cached = self._kv_cache.get(length)
+        if cached is None:
+            cached = list(self._generate_layers(length))
+            self._kv_cache[length] = cached
+            while len(self._kv_cache) > _KV_CACHE_LENGTHS:
+                del self._kv_cache[next(iter(self._kv_cache))]
+        for tensors, roles in cached:
+            yield list(tensors), list(roles)
+
+    def _generate_layers(self, length: int) -> Iterator[tuple[list[torch.Tensor], list[Any]]]:
         gen = torch.Generator().manual_seed(self.cfg.seed + length)
-        tensors: list[torch.Tensor] = []
-        roles: list[Any] = []
         for layer in self.spec.layers:
+            tensors: list[torch.Tensor] = []
+            roles: list[Any] = []
             n = layer.tokens_kept(length)
             parts = 1 if layer.single else 2
             per = layer.bytes_per_token // parts
@@ -159,12 +179,45 @@ class SyntheticBackend(ModelBackend):
             if layer.state_bytes:
                 tensors.append(torch.randint(0, 256, (layer.state_bytes,), dtype=torch.uint8))
                 roles.append("other")
+            yield tensors, roles
+
+    def _state(self, length: int) -> KVState:
+        tensors: list[torch.Tensor] = []
+        roles: list[Any] = []
+        for layer_tensors, layer_roles in self._layers(length):
+            tensors += layer_tensors
+            roles += layer_roles
         return KVState(tensors=tensors, length=length, roles=roles)
 
     def prefill(self, token_ids: list[int]) -> tuple[KVState, torch.Tensor]:
         time.sleep(self.prefill_seconds(len(token_ids)) * self.cfg.synthetic_time_scale)
         first = self._next_token(sum(token_ids), len(token_ids))
         return self._state(len(token_ids)), self._logits([first])[0]
+
+    def prefill_layers(
+        self, token_ids: list[int], on_layer: LayerSink
+    ) -> tuple[KVState, torch.Tensor]:
+        """Per layer: the roofline's share of the compute time (each layer holds the same
+        parameters), then that layer's KV handed to ``on_layer``."""
+        n = len(token_ids)
+        per_layer_s = (
+            self.prefill_seconds(n) * self.cfg.synthetic_time_scale / len(self.spec.layers)
+        )
+        tensors: list[torch.Tensor] = []
+        roles: list[Any] = []
+        start = time.perf_counter()
+        for i, (layer_tensors, layer_roles) in enumerate(self._layers(n), start=1):
+            # Sleep to the layer's roofline end (generating the bytes is part of that time).
+            time.sleep(max(0.0, start + i * per_layer_s - time.perf_counter()))
+            on_layer(layer_tensors, layer_roles)
+            tensors += layer_tensors
+            roles += layer_roles
+        first = self._next_token(sum(token_ids), n)
+        return KVState(tensors=tensors, length=n, roles=roles), self._logits([first])[0]
+
+    def kv_bytes_bound(self, tokens: int) -> tuple[int, int]:
+        count = sum((1 if x.single else 2) + (1 if x.state_bytes else 0) for x in self.spec.layers)
+        return self.spec.kv_bytes(tokens), count
 
     def kv_from_tensors(self, tensors: list[torch.Tensor], length: int) -> KVState:
         return KVState(tensors=tensors, length=length, roles=[])

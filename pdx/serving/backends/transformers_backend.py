@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from pdx.errors import InputError
-from pdx.serving.backends.base import BackendConfig, KVState, ModelBackend
+from pdx.serving.backends.base import BackendConfig, KVState, LayerSink, ModelBackend
 from pdx.serving.backends.presets import TINY_PRESETS, tiny_preset_config
 from pdx.serving.backends.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 
@@ -137,6 +137,41 @@ class TransformersBackend(ModelBackend):
         cache = out.cache
         tensors = [t for layer in cache.layers for t in (layer.keys, layer.values)]
         return self._state(tensors, len(token_ids)), out.logits[0, -1].float().cpu()
+
+    @torch.inference_mode()
+    def prefill_layers(
+        self, token_ids: list[int], on_layer: LayerSink
+    ) -> tuple[KVState, torch.Tensor]:
+        """One forward pass; a hook on every decoder layer hands that layer's cache entry
+        over the moment the layer has run (later layers never touch it)."""
+        from transformers import DynamicCache
+
+        cache = DynamicCache()
+        layers = self.model.model.layers
+        handles = []
+
+        def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            entry = cache.layers[module.self_attn.layer_idx]
+            on_layer([entry.keys, entry.values], ["key", "value"])
+
+        for layer in layers:
+            handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+        try:
+            ids = torch.tensor([token_ids], device=self.device)
+            out = self.model(input_ids=ids, cache=cache, use_cache=True)
+        finally:
+            for handle in handles:
+                handle.remove()
+        tensors = [t for layer in out.cache.layers for t in (layer.keys, layer.values)]
+        return self._state(tensors, len(token_ids)), out.logits[0, -1].float().cpu()
+
+    def kv_bytes_bound(self, tokens: int) -> tuple[int, int]:
+        c = self.model.config
+        heads = int(getattr(c, "num_key_value_heads", None) or c.num_attention_heads)
+        head_dim = int(getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+        item = next(self.model.parameters()).element_size()
+        layers = int(c.num_hidden_layers)
+        return 2 * layers * heads * head_dim * tokens * item, 2 * layers
 
     def _state(self, tensors: list[torch.Tensor], length: int) -> KVState:
         roles: list[Any] = ["key", "value"] * (len(tensors) // 2)

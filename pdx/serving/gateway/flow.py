@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 
 MARKS = ("prefill_first_event", "prefill_stored_event", "decode_first_chunk",
          "first_to_second_token")  # fmt: skip
+STREAMED_MARKS = ("prefill_opened_event",)  # only with kv.streaming
 
 
 @dataclass
@@ -101,6 +102,10 @@ class Flow:
         self.prefill_reply: serving_pb2.PrefillReply | None = None
         self.marks: dict[str, float] = {}  # gateway-side intervals, seconds
         self.client_gone = False  # the streaming client disconnected before the end
+        # Streamed KV: decode's Generate, started at prefill's ``opened`` event so its Get
+        # runs while prefill still computes; and when it was sent.
+        self._early: Any = None
+        self._early_sent = 0.0
         # The decode slot is taken now, so that requests routed in the same instant see it.
         self._reserved = True
         decision.decode.in_flight += 1
@@ -147,6 +152,9 @@ class Flow:
                 self._finish(serving_pb2.GenerateChunk(finish_reason="stop"))
             outcome_label = "degraded" if self.outcome.pdx.get("degraded") else "ok"
         finally:
+            if self._early is not None:  # a streamed-KV decode call nobody will read
+                self._early.cancel()
+                self._early = None
             if self.client_gone:
                 outcome_label = "client_disconnect"
             self.release()
@@ -187,7 +195,10 @@ class Flow:
         call = p.stub.PrefillStream(request, timeout=self.gw.cfg.request_timeout_s)
         try:
             async for event in call:
-                if event.HasField("first"):
+                if event.HasField("opened"):
+                    self.marks["prefill_opened_event"] = time.perf_counter() - sent
+                    self._start_early_decode(event.opened, gen)
+                elif event.HasField("first"):
                     self.marks["prefill_first_event"] = time.perf_counter() - sent
                     self.prefill_first = event.first
                     gen.first_token, gen.has_first_token = event.first.first_token, True
@@ -203,12 +214,39 @@ class Flow:
                     gen.kv_id = stored.kv_id
                     gen.kv_endpoint = self.gw.kv_route.get(stored.kv_endpoint, stored.kv_endpoint)
         except grpc.aio.AioRpcError as exc:
-            self._prefill_failed(exc, gen.has_first_token)
+            if self._early is not None and gen.has_first_token:
+                pass  # decode reads the streamed object: it sees the failure (KV_INCOMPLETE)
+            else:
+                self._cancel_early(gen)
+                self._prefill_failed(exc, gen.has_first_token)
         finally:
             call.cancel()
             p.in_flight -= 1
+        if self._early is not None and not gen.has_first_token:
+            self._cancel_early(gen)  # the stream ended before its first token
         if not gen.kv_id and not self.decision.degrade_reason:
             self._degrade_to_local("prefill_no_kv")
+
+    def _start_early_decode(
+        self, opened: serving_pb2.PrefillOpened, gen: serving_pb2.GenerateRequest
+    ) -> None:
+        """Streamed KV: start decode now; its Get reads the object while prefill writes it
+        and the first token comes from the object's tail."""
+        gen.kv_id = opened.kv_id
+        gen.kv_endpoint = self.gw.kv_route.get(opened.kv_endpoint, opened.kv_endpoint)
+        early = serving_pb2.GenerateRequest()
+        early.CopyFrom(gen)
+        early.first_token_in_kv = True
+        self._early_sent = time.perf_counter()
+        self._early = self.decision.decode.stub.Generate(
+            early, timeout=self.gw.cfg.request_timeout_s
+        )
+
+    def _cancel_early(self, gen: serving_pb2.GenerateRequest) -> None:
+        if self._early is not None:
+            self._early.cancel()
+            self._early = None
+            gen.kv_id = gen.kv_endpoint = ""
 
     def _prefill_failed(self, exc: grpc.aio.AioRpcError, started: bool) -> None:
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and not started:
@@ -225,7 +263,11 @@ class Flow:
     async def _decode(self, gen: serving_pb2.GenerateRequest) -> AsyncGenerator[int, None]:
         d = self.decision.decode
         sent = time.perf_counter()
-        call = d.stub.Generate(gen, timeout=self.gw.cfg.request_timeout_s)
+        call, self._early = self._early, None
+        if call is not None:  # streamed KV: started at prefill's opened event
+            sent = self._early_sent
+        else:
+            call = d.stub.Generate(gen, timeout=self.gw.cfg.request_timeout_s)
         # Prefill's first token went out already; decode echoes it first, skipped here.
         skip = 1 if gen.has_first_token else 0
         try:
@@ -334,8 +376,33 @@ class Flow:
             if pr and self.decision.prefill
             else None,
             "kv_id": pr.kv_id if pr else None,
+            **self._streamed(st),
             "timings_ms": self._timings(st, e2e_s),
         }
+
+    def _streamed(self, st: serving_pb2.GenerateStats) -> dict[str, Any]:
+        """Streamed KV figures: how much of the KV's Put and of decode's Get overlapped
+        prefill's computation, and the first-to-second-token gap (ms)."""
+        pr, marks = self.prefill_reply, self.marks
+        gap = marks.get("first_to_second_token")
+        out: dict[str, Any] = {
+            "kv_streamed": bool(st.kv_streamed or (pr and pr.kv_streamed)),
+            "first_to_second_token_ms": round(gap * 1e3, 3) if gap is not None else None,
+        }
+        if not out["kv_streamed"]:
+            return out
+        # decode's Get could run from the opened event until prefill's first token
+        during = marks.get("prefill_first_event", 0.0) - marks.get("prefill_opened_event", 0.0)
+        hidden = min(st.transfer_ms, max(0.0, during * 1e3))
+        out.update(
+            kv_put_overlap_bytes=pr.kv_overlap_bytes if pr else None,
+            kv_put_overlap_ms=round(pr.kv_overlap_ms, 3) if pr else None,
+            kv_get_wait_ms=round(st.kv_wait_ms, 3),
+            kv_bytes_while_writing=st.kv_bytes_while_writing,
+            transfer_overlap_ms=round(hidden, 3),
+            transfer_hidden_fraction=round(hidden / st.transfer_ms, 4) if st.transfer_ms else None,
+        )
+        return out
 
     def _timings(self, st: serving_pb2.GenerateStats, e2e_s: float) -> dict[str, float | None]:
         """Where the time went (ms): prefill and decode figures plus gateway-side intervals."""
@@ -353,5 +420,8 @@ class Flow:
             "decode_kv_ready": ms(st.queue_ms),
             "local_prefill": ms(st.local_prefill_ms),
             "first_decode_step": ms(st.first_step_ms),
-            **{k: ms(self.marks[k] * 1e3) if k in self.marks else None for k in MARKS},
+            **{
+                k: ms(self.marks[k] * 1e3) if k in self.marks else None
+                for k in MARKS + STREAMED_MARKS
+            },
         }
