@@ -32,6 +32,7 @@ def _step_dict(step: Step, report: StepReport) -> dict[str, Any]:
         "id": step.id,
         "input_tokens": step.input_tokens,
         "output_tokens": step.output_tokens,
+        "concurrency": step.concurrency,
         "summary": report.summary,
     }
 
@@ -49,6 +50,8 @@ def _compute(
     n = sum(int((t.get(k) or {}).get("count") or 0) for k in ("prefill", "local_prefill"))
     if n < OWN_COMPUTE_MIN:
         return run, "the run's server timings"
+    if step.concurrency != 1:  # its timings hold waits behind the others' work (see compute_fits)
+        return run, "the run's server timings (one-user steps)"
     own, _ = compute_fits([_step_dict(step, report)], model)
     return {**run, **own}, "the step's own server timings"
 

@@ -102,9 +102,16 @@ def _max_error_pct(points: list[tuple[float, float]], predict: Any) -> float:
 def compute_fits(
     steps: list[dict[str, Any]], model: dict[str, Any]
 ) -> tuple[dict[str, Any], list[Fit]]:
-    """Prefill, decode-step and codec fields from the steps' server timings."""
+    """Prefill, decode-step and codec fields from the steps' server timings.
+
+    Only the steps with one user at a time, when the run has any: with more, a server's own
+    figures hold waits behind the others' work (a local prefill queued behind another, a first
+    decode step frozen by another's local prefill), which the simulator models itself.
+    """
     fields: dict[str, Any] = {}
     fits: list[Fit] = []
+    alone = [s for s in steps if s.get("concurrency") == 1]
+    steps = alone or steps
     kv_tok, params, weights = (model["kv_bytes_per_token"], model["model_params"],
                                model["weight_bytes"])  # fmt: skip
     prefill_pts: list[tuple[float, float]] = []

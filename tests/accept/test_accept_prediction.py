@@ -169,11 +169,18 @@ def _measured_report(tmp_path: Path) -> Path:
              "kv_store": {"p50": n * 131072 / 2e9 * 1e3, "count": 10}}  # fmt: skip
         xfer_ms = 2 * 40 + n * 131072 * 8 / 0.8e9 * 1e3
         steps.append({"id": f"s0{i}-in{n}", "input_tokens": n, "output_tokens": 16,
+                      "concurrency": 1,
                       "summary": {"requests": 10, "achieved_rps": 0.25, "timings_ms": t,
                                   "transfer_ms": {"p50": xfer_ms}},
                       "preflight": {"probe_link": {"summary": {"rtt_p50_ms": 40.0,
                                                                "loss_down_pct": 0.0}}},
                       "prediction_model": {"fields": {"link_round_trips": 2.0}}})  # fmt: skip
+    # two users: each server figure holds a wait behind the other's work, left out of the fit
+    crowded = json.loads(json.dumps(steps[0]))
+    t = crowded["summary"]["timings_ms"]
+    t["prefill"]["p50"] *= 2
+    t["first_decode_step"]["p50"] *= 10
+    steps.append({**crowded, "id": "s03-in1024-c2", "concurrency": 2})
     report = {"name": "measured", "steps": steps, "preflight": {"measure_kv": {"result": KV}}}
     path = tmp_path / "report.json"
     path.write_text(json.dumps(report))
