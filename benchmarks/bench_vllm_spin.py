@@ -20,6 +20,7 @@ import contextlib
 import json
 import os
 import random
+import signal
 import statistics
 import sys
 import time
@@ -164,6 +165,10 @@ def main() -> None:
     ap.add_argument("--only", action="append", default=[], help="run only these settings")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    if not _engine_available():
+        return
+    # SIGTERM (timeout, CI) unwinds like Ctrl-C, so the pair's processes are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     settings = dict(SETTINGS)
     for item in args.setting:
         name, _, sets = item.partition("=")
@@ -183,6 +188,18 @@ def main() -> None:
                   f"{res['failed']} failed of {res['requests']}", flush=True)  # fmt: skip
     if args.json:
         json.dump(results, sys.stdout, indent=2)
+
+
+def _engine_available() -> bool:
+    """False, with the reason on stderr, where this machine has no vLLM environment (make vllm)."""
+    from pdx.serving.engines.env import EngineUnavailable, discover
+
+    try:
+        discover()
+    except EngineUnavailable as exc:
+        print(f"skipped: vLLM environment unavailable: {exc}", file=sys.stderr)
+        return False
+    return True
 
 
 if __name__ == "__main__":
