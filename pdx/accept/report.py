@@ -338,8 +338,9 @@ def prediction_line(report: Report) -> str:
     where = ", ".join(ps.get("unexplained_steps") or []) or "none"
     missing = "; ".join(f"{k}: {v}" for k, v in (ps.get("not_predicted") or {}).items())
     return (
-        f"Each step simulated with the deployed model, the compute the servers reported over "
-        f"the run, the link that step's probe measured and the step's own requests. error = "
+        f"Each step simulated with the deployed model, the compute the servers reported (the "
+        f"step's own timings, else the run's), the link that step's probe measured and the "
+        f"step's own requests. error = "
         f"(measured − predicted) / predicted; a figure is BEYOND when its whole interval lies "
         f"outside ±{tol:g} % of the prediction, within when it lies inside, undecided "
         f"otherwise. {ps.get('unexplained', 0)} of {ps.get('predicted', 0)} predicted steps "
@@ -807,6 +808,18 @@ def diff_reports(a: Report, b: Report) -> list[dict[str, Any]]:
             }
         )
     return rows
+
+
+def smallest_margin(report: Report) -> dict[str, Any] | None:
+    """The criterion with the least room to spare, as a share of its threshold (criteria with a
+    nonzero threshold and a measured margin): the SLO margin a change of settings should grow."""
+    rows = [(c.margin / c.threshold, c) for c in report.criteria
+            if c.margin is not None and c.threshold]  # fmt: skip
+    if not rows:
+        return None
+    share, c = min(rows, key=lambda r: r[0])
+    return {"criterion": c.name, "step": c.step, "margin": c.margin, "threshold": c.threshold,
+            "margin_pct": share * 100}  # fmt: skip
 
 
 def diff_predictions(a: Report, b: Report) -> list[dict[str, Any]]:

@@ -146,6 +146,20 @@ def render_diff(console: Console, data: dict[str, Any]) -> None:
             r["status"],
         )
     console.print(t)
+    small = data.get("smallest_margin") or {}
+    if small.get("a") or small.get("b"):
+
+        def one(m: dict[str, Any] | None) -> str:
+            if not m:
+                return "—"
+            return f"{m['margin_pct']:.0f} % ({m['criterion']} of {_short_step(m['step'])})"
+
+        console.print(
+            f"smallest margin, share of its threshold: A {one(small.get('a'))} → "
+            f"B {one(small.get('b'))}",
+            markup=False,
+            highlight=False,
+        )
     _render_prediction_diff(console, data.get("predictions") or [])
     _render_recommendation_diff(console, data.get("recommendations") or [])
 

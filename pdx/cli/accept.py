@@ -154,6 +154,7 @@ def diff(
         diff_recommendations,
         diff_reports,
         load_report,
+        smallest_margin,
     )
     from pdx.accept.show import render_diff
 
@@ -162,6 +163,7 @@ def diff(
         "a": {"verdict": ra.verdict, "name": ra.name},
         "b": {"verdict": rb.verdict, "name": rb.name},
         "rows": diff_reports(ra, rb),
+        "smallest_margin": {"a": smallest_margin(ra), "b": smallest_margin(rb)},
         "predictions": diff_predictions(ra, rb),
         "recommendations": diff_recommendations(ra, rb),
     }

@@ -13,6 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pdx.accept import advice
+from pdx.accept.criteria import CriterionResult
 from pdx.accept.playbook import expand_steps, load_playbook
 from pdx.accept.prediction import compare, judge, sim_fields, simulate_step, step_workload
 from pdx.accept.report import (
@@ -23,6 +24,7 @@ from pdx.accept.report import (
     diff_recommendations,
     load_report,
     no_recommendations,
+    smallest_margin,
 )
 from pdx.cli.main import app
 from pdx.errors import ConfigError, InputError
@@ -145,6 +147,17 @@ def test_report_diff_shows_prediction_error_and_recommendation_changes() -> None
     assert set(recs) == set(advice.NAMES)
     assert recs["local_prefill_max_tokens"]["changed"]
     assert (recs["local_prefill_max_tokens"]["a_value"], recs["codec"]["changed"]) == (512, False)
+    assert smallest_margin(a) is None  # no criteria
+    b.criteria = [_criterion("ttft_p50_ms", 3000, 8000), _criterion("tpot_p50_ms", 450, 600)]
+    small = smallest_margin(b)
+    assert small is not None and small["criterion"] == "tpot_p50_ms"
+    assert small["margin_pct"] == pytest.approx(25.0)
+
+
+def _criterion(name: str, measured: float, threshold: float) -> CriterionResult:
+    return CriterionResult(name=name, step="s00-x", measured=measured, threshold=threshold,
+                           margin=threshold - measured, passed=True, unit="ms",
+                           result="pass")  # fmt: skip
 
 
 def test_a_schema_1_report_loads_with_its_list_as_what_to_change(tmp_path: Path) -> None:
