@@ -403,11 +403,17 @@ def describe(servicer: PrefillServicer) -> dict[str, Any]:
 
 
 class StoreSink:
-    """Puts KV into this process's own store through the KV client (the contract's Put)."""
+    """Puts KV into this process's own store through the KV client (the contract's Put).
 
-    def __init__(self, client: Any, endpoint: str) -> None:
+    A streamed object (kv.streaming) is written straight into ``local_service``, the store
+    this process holds, when given (:class:`pdx.transfer.local.LocalWriter`: the rules of
+    Open + Put without a loopback gRPC stream); else through the client's Open + Put.
+    """
+
+    def __init__(self, client: Any, endpoint: str, local_service: Any = None) -> None:
         self.client = client
         self.endpoint = endpoint
+        self.local_service = local_service
 
     async def put(self, encoded: EncodedKV, model_version: str, ttl_s: int) -> tuple[str, int]:
         """Store ``encoded``; return (kv_id, stored bytes)."""
@@ -420,6 +426,14 @@ class StoreSink:
     async def open(self, reserve_bytes: int, codec: str, model_version: str, ttl_s: int) -> Any:
         """Open a streamed object reserving ``reserve_bytes``; return its writer."""
         layout = KVLayout(codec=codec)
+        if self.local_service is not None:
+            from pdx.transfer.local import LocalWriter
+
+            cfg = self.client.cfg
+            who = "cn=prefill" if self.client.secure else f"client={cfg.client_id}"
+            return LocalWriter(self.local_service, reserve_bytes, layout,
+                               chunk_size_bytes=cfg.chunk_size_bytes,
+                               model_version=model_version, ttl_s=ttl_s, who=who)  # fmt: skip
         return await self.client.open(
             reserve_bytes, layout, model_version=model_version, ttl_s=ttl_s
         )
@@ -457,7 +471,8 @@ class PrefillNode:
         advertised = f"{opts.advertise_host or dialable(host)}:{node.kv_port}"
         tls = tls_for(certs, "prefill")
         node.client = KVClient(local, kv_client_config(cfg, "prefill"), tls=tls)
-        node.servicer = PrefillServicer(backend, pc, kc, StoreSink(node.client, advertised))
+        sink = StoreSink(node.client, advertised, node.kv_server.service)
+        node.servicer = PrefillServicer(backend, pc, kc, sink)
         node.server, node.port, health = create_server(
             host, opts.pick_port(pc.port, opts.port), tls
         )

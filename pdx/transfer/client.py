@@ -171,6 +171,11 @@ class KVClient:
         for ch in self._channels:
             await ch.close()
 
+    @property
+    def secure(self) -> bool:
+        """Whether this client presents a TLS identity (gRPC or data plane)."""
+        return self._secure
+
     def records(self) -> list[TransferRecord]:
         """Per-transfer records of this client, oldest first."""
         return self.metrics.records()

@@ -285,9 +285,20 @@ class KVStoreConfig(BaseModel):
     # None: all but a quarter of max_inflight_kv (kept for other peers), or all of a pool
     # smaller than 4
     max_inflight_per_peer: int | None = Field(default=None, ge=1)
+    # Bytes one peer may hold reserved in streamed objects still being written (rpc Open);
+    # None: half of budget_bytes, so a peer that opens objects and never writes them
+    # cannot take the whole budget before the stall sweep ends them.
+    max_open_bytes_per_peer: int | None = Field(default=None, ge=1)
     # Who may Get, Stat, Renew and Release an object besides the identity that wrote it:
     # service names (a certificate's CN, else the declared client id); "*" = anyone.
     readers: list[str] = Field(default_factory=lambda: ["decode"])
+
+    @property
+    def open_bytes_per_peer(self) -> int:
+        """Bytes one peer may hold reserved in objects it is still writing."""
+        if self.max_open_bytes_per_peer is not None:
+            return self.max_open_bytes_per_peer
+        return self.budget_bytes // 2
 
     @property
     def inflight_per_peer(self) -> int:

@@ -201,6 +201,7 @@ class StreamAssembly(Assembly):
         self.closed: pb.ObjectInfo | None = None
         self.first_s = 0.0  # perf_counter() at the first info and at the closed info
         self.closed_s = 0.0
+        self.digests: dict[int, int] = {}  # verified digest of each chunk received
 
     def _accept_info(self, info: pb.ObjectInfo) -> None:
         if info.kv_id != self.kv_id or len(info.chunk_digests) != info.num_chunks:
@@ -230,6 +231,7 @@ class StreamAssembly(Assembly):
         if digest64(chunk.data) != chunk.digest:
             raise self.corrupt(index, "digest mismatch")
         self.chunks[index] = chunk.data
+        self.digests[index] = chunk.digest
         self._hash_prefix()
         if self.on_chunk is not None:
             self.on_chunk(info, chunk.data)
@@ -250,6 +252,7 @@ class StreamAssembly(Assembly):
                 continue
             if len(data) != min(size, info.size_bytes - i * size):
                 raise self.corrupt(i, "length differs from the closed object's")
-            if digest64(data) != info.chunk_digests[i]:
+            # Verified on receipt against its own digest: now against the closed object's.
+            if self.digests.get(i, info.chunk_digests[i]) != info.chunk_digests[i]:
                 raise self.corrupt(i, "digest differs from the closed object's")
         self.info = self.closed = info

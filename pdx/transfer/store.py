@@ -79,6 +79,7 @@ class StoredObject:
     progress_s: float = 0.0  # last time the writer stored a chunk (or opened it)
     stored: int = 0  # chunks stored
     tail: bytes = b""
+    open_reserved: int = 0  # counted in its owner's open bytes (KVStore._open_bytes)
     _changed: asyncio.Event | None = None
 
     def changed(self) -> asyncio.Event:
@@ -159,6 +160,7 @@ class KVStore:
         self._objects: OrderedDict[str, StoredObject] = OrderedDict()  # LRU order
         self._uploads: dict[bytes, StoredObject] = {}
         self._writing: dict[str, StoredObject] = {}  # streamed objects not closed yet, by id
+        self._open_bytes: dict[str, int] = {}  # bytes reserved by each peer's open objects
         self._tombstones: OrderedDict[str, str] = OrderedDict()
         self.used_bytes = 0
 
@@ -202,11 +204,13 @@ class KVStore:
         self._gauges()
         return obj
 
-    def open(self, header: pb.PutHeader, owner: str) -> StoredObject:
+    def open(self, header: pb.PutHeader, owner: str, *, peer_cap: bool = True) -> StoredObject:
         """Create a streamed object (rpc Open): readable at once, written by one Put stream.
 
         ``header.size_bytes`` is an upper bound of the final size and is reserved in the
-        budget now; TTL and lease run from now.
+        budget now; TTL and lease run from now. ``peer_cap``: the bytes one peer may hold in
+        objects it is still writing are capped (``max_open_bytes_per_peer``); the store's own
+        process (prefill writing in-process) is not a peer.
         """
         problems = []
         if len(header.upload_token) != 16:
@@ -217,7 +221,17 @@ class KVStore:
             problems.append("upload_token already in use")
         if problems:
             raise KVError(KVErrorCode.KV_INVALID, "; ".join(problems))
+        self._check_header(header)  # a malformed header is KV_INVALID before any budget check
+        held, cap = self._open_bytes.get(owner, 0), self.cfg.open_bytes_per_peer
+        if peer_cap and held + header.size_bytes > cap:
+            raise KVError(
+                KVErrorCode.KV_STORE_FULL,
+                f"{owner} holds {held} bytes in objects it is still writing; "
+                f"{header.size_bytes} more would pass its {cap} (max_open_bytes_per_peer)",
+            )
         obj = self.begin_put(header, owner)
+        self._open_bytes[owner] = held + obj.size_bytes
+        obj.open_reserved = obj.size_bytes
         obj.writing = True
         obj.progress_s = obj.created_s
         self._writing[obj.kv_id] = obj
@@ -412,9 +426,19 @@ class KVStore:
         if obj.writing:
             obj.writing = False
             self._writing.pop(obj.kv_id, None)
+            self._unreserve(obj)
             obj.wake()
         self._gauges()
         return 0
+
+    def _unreserve(self, obj: StoredObject) -> None:
+        """An open object closed or ended: its writer's open reservation is given back."""
+        left = self._open_bytes.get(obj.owner, 0) - obj.open_reserved
+        obj.open_reserved = 0
+        if left > 0:
+            self._open_bytes[obj.owner] = left
+        else:
+            self._open_bytes.pop(obj.owner, None)
 
     def abandon(self, obj: StoredObject, reason: str) -> None:
         """An upload failed part-way: forget it now, or (with an upload token to rejoin it)
@@ -452,6 +476,7 @@ class KVStore:
             if obj.writing:
                 obj.ended = reason
                 self._writing.pop(obj.kv_id, None)
+                self._unreserve(obj)
                 self._tombstones[obj.kv_id] = f"incomplete: {reason}"
                 obj.wake()
             self._deleted(obj, "abandon", reason, None)

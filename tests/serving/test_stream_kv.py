@@ -115,21 +115,24 @@ async def test_streaming_off_keeps_the_whole_object_path() -> None:
 
 
 async def test_prefill_stopped_before_its_first_token_degrades_in_the_gateway() -> None:
-    # A slow synthetic prefill (0.5 s of roofline time per layer), stopped mid-pass: the
+    # A slow synthetic prefill (1 s of roofline time per layer), stopped mid-pass: the
     # object is ended, decode's early Generate is cancelled and the gateway prefills locally.
     sets = ["tls.enabled=false", "kv.streaming=true", "model.backend=synthetic",
             "model.prefill_tflops=0.000002", "router.local_prefill_max_tokens=1"]  # fmt: skip
     async with inprocess_pair(sets) as (gw, prefill, _):
         url = f"http://127.0.0.1:{gw.port}/v1/completions"
         async with aiohttp.ClientSession() as s:
-            local = await complete(s, url, "local", max_tokens=4)
-            going = asyncio.ensure_future(complete(s, url, "disaggregated", max_tokens=4))
+            short = PROMPT[:20]  # 2 s of roofline prefill, on either side
+            local = await complete(s, url, "local", max_tokens=4, prompt=short)
+            going = asyncio.ensure_future(
+                complete(s, url, "disaggregated", max_tokens=4, prompt=short)
+            )
             store = prefill.kv_server.store
             while not store._writing:
                 await asyncio.sleep(0.01)
             assert prefill.server is not None
             await prefill.server.stop(0)  # the Prefill service dies; its store stays up
-            dis = await asyncio.wait_for(going, 30)
+            dis = await asyncio.wait_for(going, 60)
         assert store.used_bytes == 0  # the partial object's reservation is freed
     assert dis["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
     assert dis["pdx"]["degraded"] and dis["pdx"]["route"] == "local"

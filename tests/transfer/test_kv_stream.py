@@ -176,7 +176,9 @@ async def test_writer_process_killed_mid_put_is_kv_incomplete(
 async def test_open_reserves_the_declared_size_against_the_budget(
     kv_server_factory, kv_client_cfg
 ) -> None:
-    server, target = await kv_server_factory(budget_bytes=10 * CHUNK)
+    server, target = await kv_server_factory(
+        budget_bytes=10 * CHUNK, max_open_bytes_per_peer=9 * CHUNK
+    )
     async with KVClient(target, kv_client_cfg(kv_retry_budget=0)) as kv:
         first = await kv.open(7 * CHUNK)
         with pytest.raises(KVError) as full:
@@ -231,3 +233,26 @@ def _fresh(header: pb.PutHeader) -> pb.PutHeader:
     h.CopyFrom(header)
     h.upload_token = os.urandom(16)
     return h
+
+
+async def test_one_peer_cannot_reserve_the_whole_budget_in_open_objects(
+    kv_server_factory, kv_client_cfg
+) -> None:
+    # 10 chunks per peer; a writer cancelled before the store saw its stream is ended by
+    # the stall sweep
+    server, target = await kv_server_factory(
+        budget_bytes=20 * CHUNK, stall_timeout_s=0.5, sweep_interval_s=0.1
+    )
+    async with KVClient(target, kv_client_cfg(kv_retry_budget=0)) as kv:
+        held = [await kv.open(4 * CHUNK), await kv.open(4 * CHUNK)]
+        with pytest.raises(KVError) as err:
+            await kv.open(4 * CHUNK)  # 12 of 10 chunks: refused, though the budget has room
+        assert err.value.code is KVErrorCode.KV_STORE_FULL
+        assert "max_open_bytes_per_peer" in err.value.message
+        held[0].write(os.urandom(CHUNK))
+        await held[0].close()  # closed: no longer counted against the peer
+        again = await kv.open(4 * CHUNK)
+        for w in (held[1], again):
+            w.abort()
+        await asyncio.sleep(1.0)
+    assert server.store.used_bytes == CHUNK and not server.store._open_bytes

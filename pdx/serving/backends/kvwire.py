@@ -97,9 +97,11 @@ class StreamRebuild:
         self.pending_len += len(data)
         t0 = time.perf_counter()
         try:
-            while (n := self._next_length()) is not None and self.pending_len >= n:
-                blob = self._take(n)
-                self.tensors.append(self.decoder.decode(blob))
+            while (head := self._next_header()) is not None:
+                meta, head_len, n = head
+                if self.pending_len < n:
+                    break
+                self.tensors.append(self._take_tensor(meta, head_len, n))
                 self.sizes.append(n)
         except InputError as exc:  # judged at finish, against the closed layout
             self.failed = exc
@@ -113,25 +115,31 @@ class StreamRebuild:
                 break
         return bytes(out)
 
-    def _take(self, n: int) -> bytes:
-        parts: list[memoryview] = []
-        got = 0
-        while got < n:
-            piece = self.pending[0]
-            need = n - got
-            if len(piece) <= need:
-                parts.append(piece)
-                self.pending.pop(0)
-                got += len(piece)
-            else:
-                parts.append(piece[:need])
-                self.pending[0] = piece[need:]
-                got += need
-        self.pending_len -= n
-        return b"".join(parts)
+    def _take_tensor(self, meta: dict[str, Any], head_len: int, n: int) -> torch.Tensor:
+        """The next ``n`` bytes (a raw frame) as a tensor: one copy, into its own memory."""
+        from pdx.kv.codecs.base import dtype_from_name
 
-    def _next_length(self) -> int | None:
-        """Length of the next raw blob, once its header is in (None: not yet)."""
+        out = bytearray(n - head_len)
+        done = 0  # bytes of the frame taken so far
+        while done < n:
+            piece = self.pending[0]
+            use = min(len(piece), n - done)
+            lo = max(done, head_len)  # the payload part of frame bytes [done, done + use)
+            if done + use > lo:
+                out[lo - head_len : done + use - head_len] = piece[lo - done : use]
+            done += use
+            if use == len(piece):
+                self.pending.pop(0)
+            else:
+                self.pending[0] = piece[use:]
+        self.pending_len -= n
+        dtype = dtype_from_name(meta["dtype"])
+        u8 = torch.uint8
+        flat = torch.frombuffer(out, dtype=u8) if out else torch.empty(0, dtype=u8)
+        return flat.view(dtype).reshape([int(d) for d in meta["shape"]])
+
+    def _next_header(self) -> tuple[dict[str, Any], int, int] | None:
+        """The next raw frame's header, its length and the frame's length (None: not in yet)."""
         from pdx.kv.codecs.base import _HEADER, _MAGIC, dtype_from_name
 
         if self.pending_len < _HEADER.size:
@@ -142,9 +150,11 @@ class StreamRebuild:
         if self.pending_len < _HEADER.size + head_len:
             return None
         meta = json.loads(self._peek(_HEADER.size + head_len)[_HEADER.size :])
+        if not isinstance(meta, dict) or meta.get("codec") != "raw":
+            raise InputError("kv payload", "frame header", "a raw codec frame")
         numel = math.prod(int(d) for d in meta["shape"])
         item = torch.empty((), dtype=dtype_from_name(meta["dtype"])).element_size()
-        return int(_HEADER.size + head_len + numel * item)
+        return meta, _HEADER.size + head_len, int(_HEADER.size + head_len + numel * item)
 
     def finish(
         self, payload: Callable[[], bytes | memoryview], size: int, layout: dict[str, Any],

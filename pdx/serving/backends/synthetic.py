@@ -47,6 +47,9 @@ class SyntheticSpec:
     params_active: float
     bytes_per_param: int = 2
     max_context: int = 131072
+    # Where in a layer's compute its K and V exist: after the attention projections (the
+    # rest of the layer never changes them). 1.0 = at the layer's end.
+    kv_ready_fraction: float = 1.0
 
     def kv_bytes(self, seq: int) -> int:
         """Exact KV bytes for one request of ``seq`` tokens."""
@@ -76,7 +79,27 @@ def _from_measure_kv(preset: str) -> SyntheticSpec | None:
         if layer.kind != "none"
     )
     ctx = int(config.get("max_position_embeddings", 131072))
-    return SyntheticSpec(layers=layers, params_active=float(spec.params_active), max_context=ctx)
+    return SyntheticSpec(layers=layers, params_active=float(spec.params_active), max_context=ctx,
+                         kv_ready_fraction=_kv_ready_fraction(config))  # fmt: skip
+
+
+def _kv_ready_fraction(config: dict[str, Any]) -> float:
+    """Share of a dense decoder layer's weights (so of its prefill FLOPs) in its Q, K and V
+    projections, which run first: q + 2 kv projections / (those + output + gated MLP).
+    1.0 when the config does not say (MoE, hybrid and other layouts)."""
+    try:
+        hidden = int(config["hidden_size"])
+        heads = int(config["num_attention_heads"])
+        kv_heads = int(config.get("num_key_value_heads") or heads)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+        mlp = 3 * hidden * int(config["intermediate_size"])
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        return 1.0
+    if config.get("num_local_experts") or config.get("n_routed_experts"):
+        return 1.0
+    qkv = hidden * (heads + 2 * kv_heads) * head_dim
+    total = qkv + heads * head_dim * hidden + mlp
+    return qkv / total if total > 0 else 1.0
 
 
 def _tiny() -> SyntheticSpec:
@@ -197,8 +220,9 @@ class SyntheticBackend(ModelBackend):
     def prefill_layers(
         self, token_ids: list[int], on_layer: LayerSink
     ) -> tuple[KVState, torch.Tensor]:
-        """Per layer: the roofline's share of the compute time (each layer holds the same
-        parameters), then that layer's KV handed to ``on_layer``."""
+        """Per layer the roofline's share of the compute time (each layer holds the same
+        parameters); a layer's KV is handed to ``on_layer`` once its Q/K/V projections'
+        share of that time has passed (``kv_ready_fraction``), as a real layer produces it."""
         n = len(token_ids)
         per_layer_s = (
             self.prefill_seconds(n) * self.cfg.synthetic_time_scale / len(self.spec.layers)
@@ -206,12 +230,15 @@ class SyntheticBackend(ModelBackend):
         tensors: list[torch.Tensor] = []
         roles: list[Any] = []
         start = time.perf_counter()
-        for i, (layer_tensors, layer_roles) in enumerate(self._layers(n), start=1):
-            # Sleep to the layer's roofline end (generating the bytes is part of that time).
-            time.sleep(max(0.0, start + i * per_layer_s - time.perf_counter()))
+        ready = self.spec.kv_ready_fraction
+        for i, (layer_tensors, layer_roles) in enumerate(self._layers(n)):
+            # The layer's K and V exist once its attention projections ran.
+            time.sleep(max(0.0, start + (i + ready) * per_layer_s - time.perf_counter()))
             on_layer(layer_tensors, layer_roles)
             tensors += layer_tensors
             roles += layer_roles
+        end = start + len(self.spec.layers) * per_layer_s  # the last layer's remainder
+        time.sleep(max(0.0, end - time.perf_counter()))
         first = self._next_token(sum(token_ids), n)
         return KVState(tensors=tensors, length=n, roles=roles), self._logits([first])[0]
 

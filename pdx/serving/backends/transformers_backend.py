@@ -142,8 +142,9 @@ class TransformersBackend(ModelBackend):
     def prefill_layers(
         self, token_ids: list[int], on_layer: LayerSink
     ) -> tuple[KVState, torch.Tensor]:
-        """One forward pass; a hook on every decoder layer hands that layer's cache entry
-        over the moment the layer has run (later layers never touch it)."""
+        """One forward pass; a hook on every layer's attention hands that layer's cache entry
+        over the moment attention has run, before the layer's MLP (nothing after it changes
+        the entry)."""
         from transformers import DynamicCache
 
         cache = DynamicCache()
@@ -151,11 +152,11 @@ class TransformersBackend(ModelBackend):
         handles = []
 
         def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
-            entry = cache.layers[module.self_attn.layer_idx]
+            entry = cache.layers[module.layer_idx]
             on_layer([entry.keys, entry.values], ["key", "value"])
 
         for layer in layers:
-            handles.append(layer.register_forward_hook(hook, with_kwargs=True))
+            handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
         try:
             ids = torch.tensor([token_ids], device=self.device)
             out = self.model(input_ids=ids, cache=cache, use_cache=True)
