@@ -42,7 +42,7 @@ def _run(out: Path, extra: list[str]) -> tuple[int, str, dict[str, Any]]:
     return result.exit_code, result.output, data
 
 
-@pytest.mark.timeout(720)  # six 40 s steps, a probe before each, the deploy: about 7 minutes
+@pytest.mark.timeout(720)  # six 50 s steps, a probe before each, the deploy: about 7 minutes
 def test_cross_dc_lite_every_step_valid_and_predicted(tmp_path: Path) -> None:
     code, output, data = _run(tmp_path / "a", [])
     assert code in (0, 1), (output, data["problems"])
