@@ -23,6 +23,8 @@ import grpc
 
 from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.kv.codecs import get_codec
+from pdx.kv.codecs.base import dtype_name, pack
+from pdx.kv.codecs.tensorio import tensor_bytes
 from pdx.serving.backends.base import KVState, LayerSink, ModelBackend
 from pdx.serving.backends.kvwire import EncodedKV, encode_kv
 from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
@@ -157,8 +159,16 @@ class _LayerWriter:
         """(model thread) One layer's KV exists."""
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (tensors, list(roles)))
 
-    def _encode(self, tensors: list[Any], roles: list[str]) -> list[bytes]:
-        return [self.encoder.encode(t, r) for t, r in zip(tensors, roles, strict=True)]  # type: ignore[arg-type]
+    def _encode(self, tensors: list[Any], roles: list[str]) -> list[list[bytes | memoryview]]:
+        """Each tensor's encoding, in parts. ``raw``: its frame header and a view of the
+        tensor's own bytes (the very bytes ``RawCodec.encode`` would join, without the copy)."""
+        if self.codec == "raw":
+            return [
+                [pack({"codec": "raw", "dtype": dtype_name(t.dtype), "shape": list(t.shape)}),
+                 tensor_bytes(t)]
+                for t in tensors
+            ]  # fmt: skip
+        return [[self.encoder.encode(t, r)] for t, r in zip(tensors, roles, strict=True)]  # type: ignore[arg-type]
 
     async def _drain(self) -> None:
         while True:
@@ -166,11 +176,12 @@ class _LayerWriter:
             if not tensors:
                 return
             blobs = await self.loop.run_in_executor(self.pool, self._encode, tensors, roles)
-            for t, role, blob in zip(tensors, roles, blobs, strict=True):
-                self.writer.write(blob)
+            for t, role, parts in zip(tensors, roles, blobs, strict=True):
+                for part in parts:
+                    self.writer.write(part)
                 self.shapes.append(list(t.shape))
                 self.roles.append(role)
-                self.tensor_bytes.append(len(blob))
+                self.tensor_bytes.append(sum(len(part) for part in parts))
                 self.dtype = self.dtype or str(t.dtype).removeprefix("torch.")
             self.layers += 1
 
