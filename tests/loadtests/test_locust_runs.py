@@ -210,7 +210,10 @@ def test_master_with_two_workers(sse_server, tmp_path: Path) -> None:
             p.wait(10)
     recs = _records(tmp_path)
     assert len({r["worker_pid"] for r in recs}) == 2  # both workers sent load
-    assert all(r["ok"] and r["output_tokens"] == 4 for r in recs)
+    # A request still waiting when the run time ends is recorded as unfinished, never as a failure.
+    stopped = [r for r in recs if r["unfinished"]]
+    assert all(not r["ok"] and r["error"].startswith("unfinished") for r in stopped)
+    assert all(r["ok"] and r["output_tokens"] == 4 for r in recs if not r["unfinished"])
     assert int(_stats(tmp_path / "dist")["e2e"]["Request Count"]) > 0
 
 
