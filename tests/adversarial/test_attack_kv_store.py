@@ -243,7 +243,12 @@ async def test_h4_stalled_puts_end_at_the_stall_deadline_and_free_their_slots(
             f"{median(lat) * 1e3:.0f} ms); 34 stalled Puts all ended by {ended:.1f} s: {codes}"
         )
         assert ok == 2 and during < 1.5, (errors, during)
-        assert codes <= {"KV_TIMEOUT", "KV_OVERLOADED"} and "KV_TIMEOUT" in codes
+        # KV_UNAVAILABLE: admission refused the connection outright (per-peer or handshake
+        # pool full, as happens when a slow machine lets the attacker's dials pile up).
+        refused = [msg for code, msg in ends if code == "KV_UNAVAILABLE"]
+        assert all("refused the connection" in msg for msg in refused), refused
+        assert codes <= {"KV_TIMEOUT", "KV_OVERLOADED", "KV_UNAVAILABLE"}
+        assert "KV_TIMEOUT" in codes
         assert any("no progress" in msg for _, msg in ends)
         assert ended < 1.5 * 2 + 3
         # Slots and reservations are back: the whole budget's worth can be stored.
