@@ -60,7 +60,7 @@ from pdx.transfer.objects import Assembly, KVObject, StreamAssembly, encode_tens
 from pdx.transfer.path import Deadline, PathEstimate
 from pdx.transfer.retry import GlobalRetryBudget, backoff_s
 from pdx.transfer.rpc import CHANNEL_OPTIONS, SERVICE_NAME, map_rpc_error
-from pdx.transfer.wire import digest64, encode_chunk, is_chunk_message
+from pdx.transfer.wire import digest64, encode_chunk, is_chunk_message, rechunk
 
 if TYPE_CHECKING:
     import torch
@@ -826,17 +826,7 @@ class StreamWriter:
                 kv_id=self.kv_id,
             )
         self.written += len(view)
-        if self._buf:
-            need = self.chunk - len(self._buf)
-            self._buf += view[:need]
-            view = view[need:]
-            if len(self._buf) == self.chunk:
-                self._emit(bytes(self._buf))
-                self._buf.clear()
-        while len(view) >= self.chunk:
-            self._emit(view[: self.chunk])
-            view = view[self.chunk :]
-        self._buf += view
+        rechunk(self._buf, view, self.chunk, self._emit)
 
     def mark_overlap(self) -> None:
         """The producer finished computing: what was sent by now overlapped it."""

@@ -17,7 +17,7 @@ import xxhash
 
 from pdx._proto import kv_transfer_pb2 as pb
 from pdx.transfer.contract import KVError, KVErrorCode, KVLayout
-from pdx.transfer.wire import ChunkView, digest64
+from pdx.transfer.wire import ChunkView, digest64, rechunk
 
 if TYPE_CHECKING:
     from pdx.transfer.service import KVService
@@ -96,17 +96,7 @@ class LocalWriter:
                 kv_id=self.kv_id,
             )
         self.written += len(view)
-        if self._buf:
-            need = self.chunk - len(self._buf)
-            self._buf += view[:need]
-            view = view[need:]
-            if len(self._buf) == self.chunk:
-                self._store(bytes(self._buf))
-                self._buf.clear()
-        while len(view) >= self.chunk:
-            self._store(view[: self.chunk])
-            view = view[self.chunk :]
-        self._buf += view
+        rechunk(self._buf, view, self.chunk, self._store)
 
     def mark_overlap(self) -> None:
         """The producer finished computing: what was stored by now overlapped it."""

@@ -11,6 +11,7 @@ The bytes are standard proto3 encoding: tests check them against the runtime.
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import xxhash
@@ -130,3 +131,23 @@ def _parse_inner(view: memoryview) -> ChunkView:
     if pos != len(view):
         raise ValueError("trailing bytes in chunk")
     return ChunkView(index, digest, data)
+
+
+def rechunk(
+    buf: bytearray, view: memoryview, chunk: int, emit: Callable[[bytes | memoryview], None]
+) -> None:
+    """Emit every full ``chunk`` of ``buf`` + ``view``; the remainder stays in ``buf``.
+
+    One writer's chunking for both streamed writers (the Put stream and the in-process store).
+    """
+    if buf:
+        need = chunk - len(buf)
+        buf += view[:need]
+        view = view[need:]
+        if len(buf) == chunk:
+            emit(bytes(buf))
+            buf.clear()
+    while len(view) >= chunk:
+        emit(view[:chunk])
+        view = view[chunk:]
+    buf += view
