@@ -30,15 +30,9 @@ from typing import Any
 
 from pdx.accept.playbook import Criteria
 from pdx.accept.prediction import DeployFacts, simulate_step
+from pdx.accept.report import RECOMMENDATION_NAMES
 
-NAMES = (
-    "local_prefill_max_tokens",
-    "kv_streams",
-    "chunk_size_kb",
-    "codec",
-    "prefill_decode_ratio",
-    "congestion_control",
-)
+NAMES = RECOMMENDATION_NAMES  # the report schema owns the list
 LATENCY = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms")
 TARGET_BUSY = 0.7
 MSS = 1448
