@@ -38,6 +38,18 @@ class TLSConfig(BaseModel):
     name: str = Field(min_length=1)
 
 
+class TLSSettings(BaseModel):
+    """Whether a deployment's services talk mutual TLS, and where their certificates are (the
+    deploy config's ``tls:``). Without ``dir``, ``pdx deploy`` generates certificates; each
+    service's identity in that directory is a :class:`TLSConfig` (:func:`tls_for`).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    dir: Path | None = Field(None, description="directory made by `pdx certs init`")
+
+
 def tls_for(cert_dir: Path | None, name: str) -> TLSConfig | None:
     """Service ``name``'s mutual-TLS identity in ``cert_dir``, or None when TLS is off."""
     return TLSConfig(cert_dir=cert_dir, name=name) if cert_dir is not None else None

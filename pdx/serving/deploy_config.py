@@ -9,7 +9,7 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -17,44 +17,55 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pdx.config import build_config, read_yaml
 from pdx.errors import PdxError
 from pdx.serving.backends.base import BackendConfig
+from pdx.tls import TLSSettings
+from pdx.transfer.contract import (
+    DEFAULT_CHUNK_KB,
+    DEFAULT_MAX_INFLIGHT_KV,
+    DEFAULT_RETRY_BUDGET,
+    DEFAULT_STORE_BUDGET_BYTES,
+    DEFAULT_TTL_S,
+    TRANSFER_TIMEOUT_MS,
+    BudgetBytes,
+    ChunkSizeKB,
+    CongestionControl,
+    Connections,
+    InflightKV,
+    LinkGbps,
+    RetryBudget,
+    Streams,
+    Transport,
+    TTLSeconds,
+)
 
 _Strict = ConfigDict(extra="forbid")
 DEFAULT_LINK_GBPS = 10.0  # the link assumed for the local-prefill break-even when none is set
-
-
-class TLSConfig(BaseModel):
-    """Mutual TLS between every service. Without ``dir``, ``pdx deploy`` generates certificates."""
-
-    model_config = _Strict
-    enabled: bool = True
-    dir: Path | None = Field(None, description="directory made by `pdx certs init`")
+PREFILL_STORE_BUDGET_BYTES = DEFAULT_STORE_BUDGET_BYTES // 2
 
 
 class KVConfig(BaseModel):
-    """KV store and transfer parameters (the contract's defaults)."""
+    """A deployment's ``kv.*``: the transfer contract's settings (their bounds and defaults are
+    :mod:`pdx.transfer.contract`'s) and the keys only a deployment has (codec, streaming,
+    fault proxy, audit directory). :mod:`pdx.serving.kv_settings` maps each key to its place.
+    """
 
     model_config = _Strict
     codec: str = "raw"
-    chunk_size_kb: int = Field(1024, ge=64, le=8192)
-    kv_transfer_timeout_ms: float | None = Field(
-        None,
-        gt=0,
-        description="deadline of one transfer, all attempts together; null = derived from the "
-        "object's size and the path's measured RTT and goodput (see docs/kv-transfer.md)",
+    chunk_size_kb: ChunkSizeKB = DEFAULT_CHUNK_KB
+    # A deployment takes fractional milliseconds; the client's deadline is whole ones.
+    kv_transfer_timeout_ms: Annotated[float | None, TRANSFER_TIMEOUT_MS] = None
+    streams: Streams = 1
+    connections: Connections = 1
+    congestion_control: CongestionControl = "bbr"
+    link_gbps: LinkGbps = None
+    kv_retry_budget: RetryBudget = DEFAULT_RETRY_BUDGET
+    kv_ttl_seconds: TTLSeconds = DEFAULT_TTL_S
+    max_inflight_kv: InflightKV = DEFAULT_MAX_INFLIGHT_KV
+    store_budget_bytes: BudgetBytes = Field(
+        PREFILL_STORE_BUDGET_BYTES,
+        description="the byte budget of each prefill's KV store (which shares its host with "
+        "the model: half a standalone store's default)",
     )
-    streams: int = Field(1, ge=1, le=16, description="stripes per object, each on its own socket")
-    connections: int = Field(1, ge=1, le=16, description="gRPC channels per store")
-    congestion_control: Literal["bbr", "cubic", "system"] = Field(
-        "bbr", description="TCP algorithm of the data plane (bbr where the kernel has it)"
-    )
-    link_gbps: float | None = Field(
-        None, gt=0, le=1000, description="the link's rate: sizes socket buffers to its BDP"
-    )
-    kv_retry_budget: int = Field(2, ge=0, le=10)
-    kv_ttl_seconds: int = Field(120, ge=60, le=300)
-    max_inflight_kv: int = Field(32, ge=1)
-    store_budget_bytes: int = Field(2 * 1024**3, gt=0)
-    transport: Literal["auto", "grpc", "data"] = Field(
+    transport: Transport = Field(
         "auto",
         description="how KV bytes travel: the store's data plane (data), inside gRPC (grpc), "
         "or the data plane when offered (auto); kv.via_proxy needs grpc",
@@ -349,7 +360,7 @@ class DeployConfig(BaseModel):
     kv: KVConfig = Field(default_factory=lambda: KVConfig.model_validate({}))
     router: RouterConfig = Field(default_factory=lambda: RouterConfig.model_validate({}))
     gateway: GatewayConfig = Field(default_factory=lambda: GatewayConfig.model_validate({}))
-    tls: TLSConfig = Field(default_factory=lambda: TLSConfig.model_validate({}))
+    tls: TLSSettings = Field(default_factory=lambda: TLSSettings.model_validate({}))
     supervisor: SupervisorConfig = Field(
         default_factory=lambda: SupervisorConfig.model_validate({})
     )

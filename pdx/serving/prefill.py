@@ -28,8 +28,8 @@ from pdx.kv.codecs.tensorio import tensor_bytes
 from pdx.serving.backends.base import KVState, LayerSink, ModelBackend
 from pdx.serving.backends.kvwire import EncodedKV, encode_kv
 from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
-from pdx.serving.deploy_config import DeployConfig, KVConfig, NodeOptions, PrefillConfig
-from pdx.serving.kv_settings import dialable, kv_client_config, kv_store_config
+from pdx.serving.deploy_config import DeployConfig, NodeOptions, PrefillConfig
+from pdx.serving.kv_settings import PrefillKV, dialable, prefill_kv
 from pdx.serving.node import run_child
 from pdx.serving.rpc import create_server, set_serving, start_health_server
 from pdx.tls import tls_for
@@ -202,11 +202,11 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     """
 
     def __init__(
-        self, backend: ModelBackend, cfg: PrefillConfig, kv_cfg: KVConfig, sink: KVSink
+        self, backend: ModelBackend, cfg: PrefillConfig, kv: PrefillKV, sink: KVSink
     ) -> None:
         self.backend = backend
         self.cfg = cfg
-        self.kv_cfg = kv_cfg
+        self.kv = kv
         self.sink = sink
         self._slots = asyncio.Semaphore(cfg.max_inflight)
         self._waiting = 0
@@ -233,7 +233,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         self, request: serving_pb2.PrefillRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[serving_pb2.PrefillEvent]:
         """Run one prompt; answer the first token at once, then the kv_id once stored."""
-        if self.kv_cfg.streaming:
+        if self.kv.streaming:
             async for event in self._prefill_streamed(request, context):
                 yield event
             return
@@ -281,9 +281,9 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         arrived = time.perf_counter()
         try:
             async with self._slots:
-                codec = request.codec or self.kv_cfg.codec
+                codec = request.codec or self.kv.codec
                 raw, count = self.backend.kv_bytes_bound(len(ids))
-                version, ttl = self.backend.model_version, self.kv_cfg.kv_ttl_seconds
+                version, ttl = self.backend.model_version, self.kv.ttl_s
                 try:
                     writer = await self.sink.open(reserve_bytes(raw, count), codec, version, ttl)
                 except KVError as exc:
@@ -377,7 +377,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     def _encode(
         self, request: serving_pb2.PrefillRequest, done: Prefilled
     ) -> asyncio.Future[EncodedKV]:
-        codec = request.codec or self.kv_cfg.codec
+        codec = request.codec or self.kv.codec
         layers = len(done.state.tensors) // 2
         return asyncio.get_running_loop().run_in_executor(
             self._codec_pool, encode_kv, done.state, codec, layers
@@ -386,9 +386,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     async def _store(
         self, request: serving_pb2.PrefillRequest, done: Prefilled, encoded: EncodedKV
     ) -> serving_pb2.PrefillReply:
-        kv_id, stored = await self.sink.put(
-            encoded, self.backend.model_version, self.kv_cfg.kv_ttl_seconds
-        )
+        kv_id, stored = await self.sink.put(encoded, self.backend.model_version, self.kv.ttl_s)
         return serving_pb2.PrefillReply(
             kv_id=kv_id,
             first_token=done.first_token,
@@ -474,16 +472,16 @@ class PrefillNode:
         from pdx.serving.backends import create_backend
 
         node = cls()
-        pc, kc, certs = cfg.prefill, cfg.kv, opts.cert_dir
+        pc, kv, certs = cfg.prefill, prefill_kv(cfg, opts), opts.cert_dir
         host = opts.host or pc.host
         backend = await asyncio.to_thread(create_backend, cfg.model)
-        node.kv_server, node.kv_port = await create_kv_server(kv_store_config(cfg, opts))
+        node.kv_server, node.kv_port = await create_kv_server(kv.store)
         local = f"{dialable(host)}:{node.kv_port}"
         advertised = f"{opts.advertise_host or dialable(host)}:{node.kv_port}"
         tls = tls_for(certs, "prefill")
-        node.client = KVClient(local, kv_client_config(cfg, "prefill"), tls=tls)
+        node.client = KVClient(local, kv.client, tls=tls)
         sink = StoreSink(node.client, advertised, node.kv_server.service)
-        node.servicer = PrefillServicer(backend, pc, kc, sink)
+        node.servicer = PrefillServicer(backend, pc, kv, sink)
         node.server, node.port, health = create_server(
             host, opts.pick_port(pc.port, opts.port), tls
         )

@@ -13,13 +13,13 @@ import time
 from dataclasses import dataclass, field
 from enum import StrEnum
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from pdx.errors import PdxError
 from pdx.tls import TLSConfig
-from pdx.units import KIB
+from pdx.units import GIB, KIB
 
 if TYPE_CHECKING:
     from pdx._proto import kv_transfer_pb2 as pb
@@ -33,6 +33,10 @@ CHUNK_MAX_KB = 8192
 DEFAULT_CHUNK_KB = 1024
 DEFAULT_LEASE_S = 20
 MAX_LEASE_S = 60
+DEFAULT_RETRY_BUDGET = 2
+MAX_RETRY_BUDGET = 10
+DEFAULT_MAX_INFLIGHT_KV = 32
+DEFAULT_STORE_BUDGET_BYTES = 4 * GIB
 TAIL_MAX_BYTES = 4096  # what a streamed object's writer may attach when it closes it
 
 ERROR_METADATA_KEY = "pdx-kv-error"
@@ -244,6 +248,34 @@ class ManualClock:
 
 # --- configs ---------------------------------------------------------------------------
 
+# Settings the contract's configs share with the configs that embed them (a deployment's
+# ``kv.*``): each type carries its field's bounds once; the defaults are the constants above.
+TTLSeconds = Annotated[int, Field(ge=TTL_MIN_S, le=TTL_MAX_S)]
+ChunkSizeKB = Annotated[int, Field(ge=CHUNK_MIN_KB, le=CHUNK_MAX_KB)]
+BudgetBytes = Annotated[int, Field(gt=0)]
+InflightKV = Annotated[int, Field(ge=1)]
+RetryBudget = Annotated[int, Field(ge=0, le=MAX_RETRY_BUDGET)]
+Streams = Annotated[
+    int, Field(ge=1, le=16, description="stripes per object, each on its own socket")
+]
+Connections = Annotated[int, Field(ge=1, le=16, description="gRPC channels per store")]
+CongestionControl = Annotated[
+    Literal["bbr", "cubic", "system"],
+    Field(description="TCP algorithm of the data plane (bbr where the kernel has it)"),
+]
+LinkGbps = Annotated[
+    float | None,
+    Field(gt=0, le=1000, description="the link's rate: sizes socket buffers to its BDP"),
+]
+Transport = Literal["auto", "grpc", "data"]
+#: Bounds of a transfer's deadline (all attempts together), whatever its number type.
+TRANSFER_TIMEOUT_MS = Field(
+    gt=0,
+    description="deadline of one transfer, all attempts together; null = derived from the "
+    "object's size and the path's measured RTT and goodput (see docs/kv-transfer.md)",
+)
+TransferTimeoutMs = Annotated[int | None, TRANSFER_TIMEOUT_MS]
+
 
 class KVStoreConfig(BaseModel):
     """The store server (prefill side)."""
@@ -252,13 +284,13 @@ class KVStoreConfig(BaseModel):
 
     host: str = "127.0.0.1"
     port: int = Field(default=0, ge=0, le=65535)
-    budget_bytes: int = Field(default=4 * 1024**3, gt=0)
-    kv_ttl_seconds: int = Field(default=DEFAULT_TTL_S, ge=TTL_MIN_S, le=TTL_MAX_S)
+    budget_bytes: BudgetBytes = DEFAULT_STORE_BUDGET_BYTES
+    kv_ttl_seconds: TTLSeconds = DEFAULT_TTL_S
     lease_s: int = Field(default=DEFAULT_LEASE_S, ge=1, le=MAX_LEASE_S)
-    max_inflight_kv: int = Field(default=32, ge=1)
+    max_inflight_kv: InflightKV = DEFAULT_MAX_INFLIGHT_KV
     inflight_wait_ms: int = Field(default=1000, ge=0)
     sweep_interval_s: float = Field(default=1.0, gt=0)
-    chunk_size_kb_max: int = Field(default=CHUNK_MAX_KB, ge=CHUNK_MIN_KB, le=CHUNK_MAX_KB)
+    chunk_size_kb_max: ChunkSizeKB = CHUNK_MAX_KB
     checksum: Literal["xxh3_64"] = "xxh3_64"
     eviction_policy: Literal["TTL+LRU"] = "TTL+LRU"
     audit_path: Path | None = None
@@ -270,7 +302,7 @@ class KVStoreConfig(BaseModel):
     # Congestion control of the data plane's sockets unless the client asks for another the
     # kernel offers; and the largest send buffer a client may ask for (a long fat path's
     # BDP), which bounds what one connection can hold of the store's memory.
-    congestion_control: Literal["bbr", "cubic", "system"] = "bbr"
+    congestion_control: CongestionControl = "bbr"
     max_send_buffer_bytes: int = Field(default=64 * 1024 * 1024, ge=0, le=1 << 30)
     # Limits against hostile peers (docs/kv-transfer.md, "Security and limits"). Peers are
     # told apart by certificate identity, else by source address.
@@ -316,11 +348,11 @@ class KVClientConfig(BaseModel):
 
     # None: derived per request from its size and the path's measured RTT and goodput
     # (pdx.transfer.path); a number is a fixed deadline for every request.
-    kv_transfer_timeout_ms: int | None = Field(default=None, gt=0)
-    kv_retry_budget: int = Field(default=2, ge=0, le=10)
-    chunk_size_kb: int = Field(default=DEFAULT_CHUNK_KB, ge=CHUNK_MIN_KB, le=CHUNK_MAX_KB)
-    streams: int = Field(default=1, ge=1, le=16)
-    connections: int = Field(default=1, ge=1, le=16)
+    kv_transfer_timeout_ms: TransferTimeoutMs = None
+    kv_retry_budget: RetryBudget = DEFAULT_RETRY_BUDGET
+    chunk_size_kb: ChunkSizeKB = DEFAULT_CHUNK_KB
+    streams: Streams = 1
+    connections: Connections = 1
     backoff_base_ms: float = Field(default=10.0, gt=0)
     backoff_max_ms: float = Field(default=200.0, gt=0)
     retry_ratio: float = Field(default=0.1, ge=0, le=1)
@@ -330,16 +362,16 @@ class KVClientConfig(BaseModel):
     checksum: Literal["xxh3_64"] = "xxh3_64"
     # How Put/Get bytes travel: "data" = the store's data plane (fails if it has none),
     # "grpc" = inside gRPC messages, "auto" = the data plane when the store offers it.
-    transport: Literal["auto", "grpc", "data"] = "auto"
+    transport: Transport = "auto"
     # HOST:PORT to dial for the data plane instead of the gRPC host + announced port
     # (a NAT, a port forward, or a fault proxy in front of it).
     data_target: str | None = None
     # TCP congestion control of the data plane's sockets (this side's, and asked of the
     # store for what it sends): bbr where the kernel has it, else the system's default.
-    congestion_control: Literal["bbr", "cubic", "system"] = "bbr"
+    congestion_control: CongestionControl = "bbr"
     # The link's rate, when known (pdx probe-link measures it): socket buffers are then sized
     # to twice its bandwidth-delay product, up to the kernel's limits; None = autotuning.
-    link_gbps: float | None = Field(default=None, gt=0, le=1000)
+    link_gbps: LinkGbps = None
 
     @model_validator(mode="after")
     def _backoff_order(self) -> KVClientConfig:
