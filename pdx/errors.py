@@ -3,6 +3,16 @@
 Every error a user can cause or meet derives from :class:`PdxError`. The CLI maps
 them to one line on stderr and an exit code in one place (``pdx.cli.main``);
 services map them to wire statuses at their own boundary.
+
+    PdxError
+    ├── InputError, ConfigError, UnsupportedModelError
+    ├── MeasurementError ── link.protocol.ProtocolError
+    ├── ServingError ── serving.decode.DecodeFailed, serving.engines.client.EngineUnreachable,
+    │                   .EngineHTTPError, serving.engines.vllm.EngineStartError
+    ├── transfer.contract.KVError (a contract code; gRPC status / ERROR frame: transfer.rpc,
+    │   transfer.dataplane.framing) and transfer.dataplane.framing.FrameError (KV_CORRUPT
+    │   where it ends a transfer)
+    └── faults' ControlError, NetnsError, EmulatorError; serving.supervisor.DeployError
 """
 
 from __future__ import annotations
@@ -42,3 +52,7 @@ class UnsupportedModelError(PdxError):
 
 class MeasurementError(PdxError):
     """A measurement could not be taken (peer unreachable, protocol error, ...)."""
+
+
+class ServingError(PdxError):
+    """A serving process could not do what it was asked (an engine down, a decode step failed)."""

@@ -19,6 +19,8 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from pdx.errors import MeasurementError
+
 PROTOCOL_VERSION = 1
 MAX_FRAME_BYTES = 64 * 1024
 FRAME_HEADER = struct.Struct("!I32s")
@@ -35,7 +37,7 @@ ZERO_PROBE_MAC = b"\0" * 16
 CHUNK_HEADER = struct.Struct("!Q")
 
 
-class ProtocolError(Exception):
+class ProtocolError(MeasurementError):
     """A frame or packet that does not follow the probe protocol."""
 
 

@@ -23,7 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 
 from pdx._proto import serving_pb2, serving_pb2_grpc
-from pdx.errors import PdxError
+from pdx.errors import PdxError, ServingError
 from pdx.serving.backends.base import KVState, ModelBackend
 from pdx.serving.backends.kvwire import StreamRebuild, decode_kv
 from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
@@ -48,7 +48,7 @@ class KVUnusable(PdxError):
         super().__init__(message)
 
 
-class DecodeFailed(Exception):
+class DecodeFailed(ServingError):
     """A sequence could not be decoded (its batch step raised)."""
 
 

@@ -24,12 +24,14 @@ from typing import Any
 
 import aiohttp
 
+from pdx.errors import ServingError
 
-class EngineUnreachable(Exception):
+
+class EngineUnreachable(ServingError):
     """No answer: connection refused or reset, or the time ran out."""
 
 
-class EngineHTTPError(Exception):
+class EngineHTTPError(ServingError):
     """The engine answered with an error status."""
 
     def __init__(self, status: int, message: str) -> None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from pdx.errors import InputError
+from pdx.errors import InputError, ServingError
 from pdx.serving.deploy_config import DeployConfig, VLLMConfig, engine_model_config_json
 from pdx.serving.engines.env import VLLMEnv, discover
 
@@ -50,7 +50,7 @@ class ChildLike(Protocol):
         ...
 
 
-class EngineStartError(Exception):
+class EngineStartError(ServingError):
     """An instance exited or did not answer ``/health`` in time (the message says which)."""
 
 

@@ -23,6 +23,7 @@ from typing import Any
 import numpy as np
 
 from pdx._proto import kv_transfer_pb2 as pb
+from pdx.errors import PdxError
 from pdx.transfer.contract import KVError, KVErrorCode
 
 VERSION = "pdx.kv.v1"
@@ -51,7 +52,7 @@ class Kind(enum.IntEnum):
     ERROR = 10
 
 
-class FrameError(Exception):
+class FrameError(PdxError):
     """The byte stream does not follow the framing (garbled or out of step)."""
 
 
