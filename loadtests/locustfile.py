@@ -37,6 +37,7 @@ from llm_stream import (
 )
 from locust import User, constant, events, stats, task
 from locust.runners import WorkerRunner
+from locust.user.task import LOCUST_STATE_STOPPING
 
 _records_file: Any = None
 
@@ -209,12 +210,19 @@ class CompletionUser(User):
         if rate <= 0:
             raise ValueError("--pdx-mode open needs --pdx-rate > 0")
         t_next = time.perf_counter()
-        while True:
+        while not self._stopping():
             t_next += self.rng.expovariate(rate)
-            delay = t_next - time.perf_counter()
-            if delay > 0:
-                gevent.sleep(delay)
-            self.pending.spawn(self._open_one, t_next)
+            while (delay := t_next - time.perf_counter()) > 0 and not self._stopping():
+                gevent.sleep(min(delay, 0.05))  # wakes often enough to stop sending in time
+            if not self._stopping():
+                self.pending.spawn(self._open_one, t_next)
+        # The run is over: no new arrival; those in flight finish (answered, errored or, past
+        # Locust's --stop-timeout, recorded unfinished with how long they had waited).
+        self.pending.join()
+
+    def _stopping(self) -> bool:
+        """Locust asked this user to stop (the run time is over; --stop-timeout lets it drain)."""
+        return bool(self._state == LOCUST_STATE_STOPPING)
 
     def on_stop(self) -> None:
         """Stop arrivals still queued or in flight when the run ends."""

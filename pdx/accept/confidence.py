@@ -27,8 +27,10 @@ from typing import Literal
 import numpy as np
 from scipy import stats as sps
 
+from pdx.link.stats import clopper_pearson
+
 Kind = Literal["max", "min"]
-Result = Literal["pass", "fail", "indeterminate"]
+Result = Literal["pass", "fail", "indeterminate", "not_measured"]
 
 _MAX_SAMPLE = 10**9  # beyond this, "requests needed" is reported as unknown (None)
 
@@ -47,12 +49,7 @@ class Bounds:
 
 def proportion_bounds(k: float, n: float, confidence: float) -> Bounds:
     """Clopper–Pearson bounds on a proportion from ``k`` of ``n`` (``k`` may be fractional)."""
-    if n <= 0:
-        return Bounds(0.0, 1.0)
-    alpha = 1.0 - confidence
-    low = 0.0 if k <= 0 else float(sps.beta.ppf(alpha, k, n - k + 1))
-    high = 1.0 if k >= n else float(sps.beta.ppf(confidence, k + 1, n - k))
-    return Bounds(low, high)
+    return Bounds(*clopper_pearson(k, n, confidence))
 
 
 def poisson_rate_bounds(k: float, exposure: float, confidence: float) -> Bounds:
@@ -179,9 +176,14 @@ def poisson_needed(
 def quantile_needed(
     values: Sequence[float], q: float, threshold: float, confidence: float
 ) -> int | None:
-    """Sample size at which the observed share of values ≤ threshold would decide the
-    q-quantile against ``threshold`` (a maximum): pass once the upper bound is ≤ it, fail once
-    the lower bound is above it. None when that share equals q.
+    """The smallest sample size from which the observed share of values ≤ threshold decides
+    the q-quantile against ``threshold`` (a maximum) *for every larger sample*: pass once the
+    upper bound is ≤ it, fail once the lower bound is above it. None when that share equals q.
+
+    The decision is not monotone in the sample size (the count under the threshold is a
+    rounded share of it), so the first deciding size is not the answer: sizes are scanned
+    upward from the sample's own to well past the first deciding one (four times it, where the
+    margin is twice what deciding needs and rounding can no longer undo it).
     """
     n = len(values)
     if n == 0:
@@ -189,14 +191,20 @@ def quantile_needed(
     share = sum(1 for v in values if v <= threshold) / n
     if math.isclose(share, q, rel_tol=0, abs_tol=1e-12):
         return None
+    first = _smallest(lambda m: bool(_quantile_decided(share, q, confidence, np.array([m]))[0]), n)
+    if first is None:
+        return None
+    sizes = np.arange(n, max(4 * first, first + 1000) + 1)
+    undecided = sizes[~_quantile_decided(share, q, confidence, sizes)]
+    return int(undecided[-1]) + 1 if undecided.size else n
 
-    def decided(m: int) -> bool:
-        below = math.floor(share * m + 1e-9)  # values ≤ threshold in a sample of m
-        if share > q:  # upper bound = rank u ≤ below  ⇔  P(B ≤ below − 1) ≥ c
-            return bool(sps.binom.cdf(below - 1, m, q) >= confidence)
-        return bool(sps.binom.sf(below, m, q) >= confidence)  # lower rank > below
 
-    return _smallest(decided, n)
+def _quantile_decided(share: float, q: float, confidence: float, sizes: np.ndarray) -> np.ndarray:
+    """For each sample size m: whether m values, ``share`` of them ≤ the threshold, decide."""
+    below = np.floor(share * sizes + 1e-9)  # values ≤ threshold in a sample of m
+    if share > q:  # upper bound = rank u ≤ below  ⇔  P(B ≤ below − 1) ≥ c
+        return np.asarray(sps.binom.cdf(below - 1, sizes, q) >= confidence)
+    return np.asarray(sps.binom.sf(below, sizes, q) >= confidence)  # lower rank > below
 
 
 def mean_needed(values: Sequence[float], threshold: float, confidence: float) -> int | None:
@@ -220,3 +228,18 @@ def mean_needed(values: Sequence[float], threshold: float, confidence: float) ->
 def rate_bound_if_none_seen(n: int, confidence: float) -> float:
     """Upper bound on a rate when none of ``n`` showed it: 1 − (1 − c)^(1/n)."""
     return 1.0 - (1.0 - confidence) ** (1.0 / n) if n > 0 else 1.0
+
+
+def none_seen_needed(rate_bound: float, confidence: float) -> int | None:
+    """The smallest n whose "none of n" bounds the rate at or below ``rate_bound``.
+
+    n = ⌈ln(1 − c) / ln(1 − bound)⌉ (299 for 1 % at 95 %); None for a bound of 0 (no n does).
+    """
+    if rate_bound <= 0:
+        return None
+    if rate_bound >= 1:
+        return 1
+    n = max(1, math.ceil(math.log(1.0 - confidence) / math.log1p(-rate_bound) - 1e-9))
+    while rate_bound_if_none_seen(n, confidence) > rate_bound:  # guard the float rounding
+        n += 1
+    return n

@@ -1,5 +1,10 @@
 """Judging: first whether each step's run is valid, then whether each criterion is met.
 
+Every criterion has one of four results: ``pass`` (the whole interval clears the threshold),
+``fail`` (it lies wholly beyond), ``indeterminate`` (it straddles the threshold: the sample is
+too small to say) and ``not_measured`` (there is no sample at all: no transfer, no KV object,
+no replay, gate data missing). Neither of the last two ever passes a run.
+
 Margins are signed so that positive always means "room to spare": for a maximum,
 ``margin = threshold − measured``; for a minimum, ``margin = measured − threshold``.
 """
@@ -13,9 +18,9 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from pdx.accept import confidence as ci
-from pdx.accept.playbook import Criteria, Step, Validity
+from pdx.accept.playbook import Criteria, Playbook, Step, Validity
 
-Result = Literal["pass", "fail", "indeterminate"]
+Result = Literal["pass", "fail", "indeterminate", "not_measured"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +36,7 @@ class _Spec:
     k: str = ""  # rate criteria: the count ...
     n: str = ""  # ... out of this many
     unit_of_sample: str = "requests"
+    unknown: str = ""  # rate criteria: outcomes that could not be read (counted either way)
 
 
 def _quantile(path: str, q: float, values: str, of: str = "requests") -> _Spec:
@@ -71,8 +77,17 @@ _CRITERIA: dict[str, _Spec] = {
         "labelled_disaggregated",
         "disaggregated requests",
     ),
-    "output_mismatch_max": _rate(
-        "output_mismatch_rate", "max", "replay_mismatches", "replayed", "replayed requests"
+    # A replay that errored shows neither a match nor a mismatch: it stays in the denominator
+    # and counts as a mismatch for the upper bound, as a match for the lower one.
+    "output_mismatch_max": _Spec(
+        "output_mismatch_rate",
+        "max",
+        "fraction",
+        "proportion",
+        k="replay_mismatches",
+        n="replayed",
+        unit_of_sample="replayed requests",
+        unknown="replay_errors",
     ),
     "overdue_requests_max": _rate("overdue_rate", "max", "overdue", "overdue_judged"),
     "kv_stranded_max_s": _Spec(
@@ -86,22 +101,35 @@ _CRITERIA: dict[str, _Spec] = {
         q=0.99,
         values="steady_ttft_ms",
         n="steady_requests",
+        unit_of_sample="steady requests",
     ),
 }
 
-# Judged only where their facts were collected (a target that reports them, an idle-gap step).
+# Read from the servers' own records; where those are missing the gate is not_measured.
 GATES = frozenset(
     {"silent_fallback_max", "output_mismatch_max", "kv_stranded_max_s", "overdue_requests_max",
      "idle_ttft_ratio_max"}
 )  # fmt: skip
+# Judged once every step has run (the link probe is judged against the load the run reached).
+LINK_VERDICT = "link_verdict"
 
 METHODS = {
     "quantile": "order statistics (distribution-free)",
     "proportion": "Clopper-Pearson (exact binomial)",
     "poisson": "Garwood (exact Poisson)",
     "observed": "observed maximum",
-    "ratio": "burst p99 as observed / steady p99 with order-statistic bounds",
+    "ratio": "burst p99 / steady p99, each bounded by its own order statistics",
+    "zero": "count (threshold 0), the rate bounded by Clopper-Pearson",
+    "link": "pdx probe-link rules (loss: Clopper-Pearson)",
 }
+
+
+def criterion_spec(name: str) -> tuple[ci.Kind, str, str]:
+    """``(kind, method, per-request sample key)`` of a criterion (``link_verdict``: a count)."""
+    if name == LINK_VERDICT:
+        return "max", "observed", ""
+    spec = _CRITERIA[name]
+    return spec.kind, spec.method, spec.values
 
 
 class CriterionResult(BaseModel):
@@ -128,6 +156,14 @@ class CriterionResult(BaseModel):
     method: str = ""
     sample: int | None = Field(default=None, description="how many requests/transfers/objects")
     sample_unit: str = "requests"
+    rate_bound: float | None = Field(
+        default=None,
+        description="threshold 0: the upper bound the sample puts on the rate (none observed "
+        "in n bounds it to 1 - (1 - c)^(1/n)); passes only at or below judgement.zero_rate_bound",
+    )
+    advisory: bool = Field(
+        default=False, description="reported but not part of the verdict (preflight.advisory)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -165,39 +201,47 @@ def judge_step(
     criteria: Criteria,
     samples: dict[str, list[float]] | None = None,
     confidence: float = 0.0,
+    zero_rate_bound: float = 0.01,
 ) -> list[CriterionResult]:
     """Every configured criterion for one step, judged at ``confidence`` (0 = point estimates).
 
-    ``samples`` holds the per-request values behind the quantile criteria (``ttft_ms``, ...).
+    ``samples`` holds the per-request values behind the quantile criteria (``ttft_ms``, ...);
+    ``zero_rate_bound`` is the rate a threshold of 0 must be shown to be under. The link
+    verdict is judged apart (:func:`judge_link`), once the run's load is known.
     """
     out: list[CriterionResult] = []
     for name, threshold in criteria.model_dump().items():
-        if threshold is None:
+        if threshold is None or name == LINK_VERDICT:
             continue
+        if name == "idle_ttft_ratio_max" and not summary.get("idle_s"):
+            continue  # applies to idle-gap steps only
         spec = _CRITERIA[name]
         if threshold == "auto":
             threshold = summary.get("kv_stranded_bound_s")
+            if threshold is None:
+                out.append(_not_measured(name, step.id, None, spec, summary))
+                continue
         measured = read_path(summary, spec.path)
-        if name in GATES and (measured is None or threshold is None):
-            continue  # not collected for this step: listed in summary["gates_not_measured"]
-        if measured is None:
-            out.append(_absent(name, step, float(threshold), spec, summary))
+        if measured is None or (spec.method == "observed" and not _count(summary, spec.n)):
+            out.append(_not_measured(name, step.id, float(threshold), spec, summary))
             continue
         values = samples or {}
         out.append(
-            _judge(name, step.id, measured, float(threshold), spec, summary, values, confidence)
-        )
+            _judge(
+                name, step.id, measured, float(threshold), spec, summary, values, confidence,
+                zero_rate_bound,
+            )
+        )  # fmt: skip
     return out
 
 
-def _absent(
-    name: str, step: Step, threshold: float, spec: _Spec, summary: dict[str, Any]
+def _not_measured(
+    name: str, step_id: str, threshold: float | None, spec: _Spec, summary: dict[str, Any]
 ) -> CriterionResult:
-    passed = _absent_passes(name, summary)
     return CriterionResult(
-        name=name, step=step.id, measured=None, threshold=threshold, margin=None, passed=passed,
-        unit=spec.unit, note=_absent_note(name), result="pass" if passed else "fail",
-        method="no data", sample=0, sample_unit=spec.unit_of_sample,
+        name=name, step=step_id, measured=None, threshold=threshold or 0.0, margin=None,
+        passed=False, unit=spec.unit, note=not_measured_note(name, summary),
+        result="not_measured", method="no data", sample=0, sample_unit=spec.unit_of_sample,
     )  # fmt: skip
 
 
@@ -210,6 +254,7 @@ def _judge(
     summary: dict[str, Any],
     samples: dict[str, list[float]],
     confidence: float,
+    zero_rate_bound: float = 0.01,
 ) -> CriterionResult:
     margin = threshold - measured if spec.kind == "max" else measured - threshold
     n = _sample_size(spec, summary, samples)
@@ -224,7 +269,7 @@ def _judge(
         "sample_unit": spec.unit_of_sample,
     }
     if spec.method in ("proportion", "poisson") and threshold == 0 and spec.kind == "max":
-        return _none_observed(base, spec, summary, confidence)
+        return _none_observed(base, spec, summary, confidence, zero_rate_bound)
     if confidence <= 0 or spec.method == "observed":
         result: Result = "pass" if margin >= 0 else "fail"
         how = "point estimate (judgement.confidence 0)" if confidence <= 0 else METHODS["observed"]
@@ -235,7 +280,7 @@ def _judge(
             confidence=0.0,
             interval=(measured, measured),
             method=how,
-            note=_observed_note(spec, summary),
+            note=_observed_note(spec, summary, threshold),
         )
     bounds = _bounds(spec, measured, summary, samples, confidence)
     result = ci.decide(bounds, threshold, spec.kind)
@@ -270,15 +315,23 @@ def _bounds(
     if spec.method == "quantile":
         return ci.quantile_bounds(samples.get(spec.values) or [], spec.q, confidence)
     if spec.method == "ratio":
+        # burst p99 / steady p99: low = burst's lower bound / steady's upper bound, high = the
+        # other way round; a side either sample cannot bound stays unbounded (never a pass).
         steady = ci.quantile_bounds(samples.get(spec.values) or [], spec.q, confidence)
-        burst = float(summary.get("burst_ttft_p99_ms") or 0.0)
+        burst = ci.quantile_bounds(samples.get("burst_ttft_ms") or [], spec.q, confidence)
         return ci.Bounds(
-            burst / steady.high if steady.high else 0.0,
-            burst / steady.low if steady.low else None,
+            burst.low / steady.high if burst.low is not None and steady.high else None,
+            burst.high / steady.low if burst.high is not None and steady.low else None,
         )
     k, n = _count(summary, spec.k), _count(summary, spec.n)
     if spec.method == "poisson":
         return ci.poisson_rate_bounds(k, n, confidence)
+    unknown = _count(summary, spec.unknown) if spec.unknown else 0
+    if unknown:
+        return ci.Bounds(
+            ci.proportion_bounds(k, n, confidence).low,
+            ci.proportion_bounds(k + unknown, n, confidence).high,
+        )
     return ci.proportion_bounds(k, n, confidence)
 
 
@@ -293,9 +346,10 @@ def _needed(
     if spec.method == "quantile":
         return ci.quantile_needed(values, spec.q, threshold, confidence)
     if spec.method == "ratio":
-        # pass ⇔ steady p99's lower bound ≥ burst / threshold: decided as a quantile at that value
-        burst = float(summary.get("burst_ttft_p99_ms") or 0.0)
-        return ci.quantile_needed(values, spec.q, burst / threshold, confidence)
+        # Each side bounds its p99 from above only from this many requests (299 at 95 %).
+        first = _first_bounding_n(spec.q, confidence)
+        burst = len(samples.get("burst_ttft_ms") or [])
+        return first if min(burst, len(values)) < first else None
     k, n = _count(summary, spec.k), _count(summary, spec.n)
     if spec.method == "poisson":
         return ci.poisson_needed(k, n, threshold, spec.kind, confidence)
@@ -303,40 +357,79 @@ def _needed(
 
 
 def _none_observed(
-    base: dict[str, Any], spec: _Spec, summary: dict[str, Any], confidence: float
+    base: dict[str, Any],
+    spec: _Spec,
+    summary: dict[str, Any],
+    confidence: float,
+    zero_rate_bound: float,
 ) -> CriterionResult:
-    """Threshold 0: judged on the count; the interval says what rate the sample bounds it to."""
+    """Threshold 0 ("none allowed"): any observed fails; none observed passes only when the
+    sample bounds the rate at or below ``zero_rate_bound``, else it is indeterminate."""
     k, n = _count(summary, spec.k), _count(summary, spec.n)
-    result: Result = "pass" if k == 0 else "fail"
+    unknown = _count(summary, spec.unknown) if spec.unknown else 0
+    what = spec.unit_of_sample
+    if confidence <= 0:
+        return CriterionResult(
+            **base, passed=k == 0 and not unknown, result="pass" if k == 0 and not unknown
+            else "fail", confidence=0.0, interval=(base["measured"], base["measured"]),
+            method="count (threshold 0), point estimate",
+            note=f"{k} observed in {n} {what} (point estimate: no bound on the rate)",
+        )  # fmt: skip
     bounds = (
-        (ci.poisson_rate_bounds if spec.method == "poisson" else ci.proportion_bounds)(
-            k, n, confidence
-        )
-        if confidence > 0
-        else ci.Bounds(base["measured"], base["measured"])
+        ci.poisson_rate_bounds(k + unknown, n, confidence)
+        if spec.method == "poisson"
+        else ci.proportion_bounds(k + unknown, n, confidence)
     )
-    at = f"{confidence:.0%}" if confidence > 0 else "a point estimate"
     high = bounds.high if bounds.high is not None else math.inf
-    note = (
-        f"none observed in {n} {spec.unit_of_sample}: rate <= {high:.3%} at {at}"
-        if k == 0
-        else f"{k} observed in {n} {spec.unit_of_sample} (threshold 0: none allowed)"
-    )
+    at = f"{confidence:.0%}"
+    needed: int | None = None
+    if k > 0:
+        result: Result = "fail"
+        note = f"{k} observed in {n} {what} (threshold 0: none allowed)"
+    elif unknown:
+        result = "indeterminate"
+        note = (
+            f"none observed, but {unknown} of {n} {what} could not be compared (they errored): "
+            f"rate <= {high:.3%} at {at}"
+        )
+    elif high <= zero_rate_bound:
+        result = "pass"
+        note = f"none observed in {n} {what}: rate <= {high:.3%} at {at}"
+    else:
+        result = "indeterminate"
+        needed = ci.none_seen_needed(zero_rate_bound, confidence)
+        note = (
+            f"none observed in {n} {what}, which bounds the rate only to <= {high:.3%} at {at} "
+            f"(judgement.zero_rate_bound {zero_rate_bound:.3%} needs {needed:,} with none seen)"
+        )
     return CriterionResult(
-        **base,
-        passed=k == 0,
-        result=result,
-        confidence=confidence,
-        interval=bounds.as_pair(),
-        method="count (threshold 0)",
-        note=note,
-    )
+        **base, passed=result == "pass", result=result, confidence=confidence,
+        interval=(0.0 if k == 0 else bounds.low, bounds.high), method=METHODS["zero"],
+        note=note, rate_bound=bounds.high, requests_needed=needed,
+    )  # fmt: skip
 
 
-def _observed_note(spec: _Spec, summary: dict[str, Any]) -> str:
+def _first_bounding_n(q: float, confidence: float) -> int:
+    """The smallest sample whose order statistics bound the q-quantile from above."""
+    n = 1
+    while ci.quantile_order_indices(n, q, confidence)[1] is None:
+        n = n * 2
+    lo, hi = n // 2, n
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if ci.quantile_order_indices(mid, q, confidence)[1] else (mid, hi)
+    return hi
+
+
+def _observed_note(spec: _Spec, summary: dict[str, Any], threshold: float | None = None) -> str:
     if spec.method != "observed":
         return ""
-    over = int(summary.get("kv_stranded_over_bound") or 0)
+    holds = summary.get("_kv_stranded_holds_s")
+    over = (
+        sum(1 for h in holds if h > threshold)
+        if holds is not None and threshold is not None
+        else int(summary.get("kv_stranded_over_bound") or 0)
+    )
     held = int(summary.get("kv_stranded_still_held") or 0)
     parts = [f"{over} of {int(summary.get('kv_objects') or 0)} KV objects over the bound"]
     if held:
@@ -350,16 +443,79 @@ def _indeterminate_note(spec: _Spec, bounds: ci.Bounds, needed: int | None) -> s
     return f"needs about {needed:,} {spec.unit_of_sample} at the observed value to decide"
 
 
-def _absent_passes(name: str, summary: dict[str, Any]) -> bool:
-    # No KV transfer happened (e.g. every prompt prefilled locally): nothing to fail on transfer
-    # criteria, and that is said in the note. Latency criteria with no data fail: no evidence.
-    return name.startswith(("transfer_", "retry_", "eviction_")) and summary.get("ok", 0) > 0
+_NOT_MEASURED = {
+    "transfer_": "no KV transfer in this step: nothing shows the link carried KV (every prompt "
+    "prefilled locally, or the target reports no transfer counters); send prompts longer than "
+    "router.local_prefill_max_tokens, or set the criterion to null to leave it unjudged",
+    "retry_": "no KV transfer in this step, so no retry rate (see transfer_success_min)",
+    "eviction_": "no KV object created in this step (or the target exposes no store counters)",
+    "ttft_": "no successful request to measure",
+    "tpot_": "no successful request with more than one token",
+    "degrade_": "no request in this step",
+    "error_": "no request in this step",
+    "kv_stranded": "no KV object entered the store in this step (no store audit, or nothing "
+    "was shipped): nothing shows KV is released",
+    "silent_fallback": "no request labelled disaggregated in this step",
+    "output_mismatch": "no replayed request in this step (judgement.replay_requests)",
+    "overdue": "no request in this step",
+    "idle_ttft": "no idle burst in this step",
+}
 
 
-def _absent_note(name: str) -> str:
-    if name.startswith(("transfer_", "retry_", "eviction_")):
-        return "no KV transfers or counters observed in this step"
-    return "no successful request to measure"
+def not_measured_note(name: str, summary: dict[str, Any]) -> str:
+    """Why a criterion has no sample on this step, and what would measure it."""
+    for why in summary.get("gates_not_measured") or []:
+        if str(why).startswith(name + ":"):
+            return str(why).split(":", 1)[1].strip()
+    return next((v for k, v in _NOT_MEASURED.items() if name.startswith(k)), "no data")
+
+
+def judge_link(
+    step_id: str, verdict: dict[str, Any] | None, why_missing: str, advisory: bool
+) -> CriterionResult:
+    """The link verdict (probe-link's rules against this run's KV demand) as a criterion.
+
+    ``verdict`` is probe-link's ``verdict`` object for the link under this step's condition
+    (None: not probed, ``why_missing`` says why); GO passes, NO-GO fails, INCONCLUSIVE is
+    indeterminate. With ``advisory`` it is reported but left out of the run's verdict.
+    """
+    base: dict[str, Any] = {
+        "name": LINK_VERDICT, "step": step_id, "threshold": 0.0, "unit": "rules failed",
+        "method": METHODS["link"], "sample_unit": "rules", "advisory": advisory,
+    }  # fmt: skip
+    if verdict is None:
+        return CriterionResult(
+            **base, measured=None, margin=None, passed=False, result="not_measured",
+            note=why_missing, sample=0,
+        )  # fmt: skip
+    rules = verdict.get("rules") or []
+    judged = [r for r in rules if r.get("status") in ("pass", "fail", "indeterminate")]
+    failed = [r for r in judged if r["status"] == "fail"]
+    word = verdict.get("result") or ("GO" if verdict.get("go") else "NO-GO")
+    result: Result = {"GO": "pass", "NO-GO": "fail"}.get(word, "indeterminate")  # type: ignore[assignment]
+    parts = [f"{r['name']} {r['status']}" for r in rules]
+    return CriterionResult(
+        **base, measured=float(len(failed)), margin=float(-len(failed)), passed=result == "pass",
+        result=result, sample=len(judged), note=f"link {word}: " + ", ".join(parts),
+    )  # fmt: skip
+
+
+def not_judged(pb: Playbook, steps: list[Step]) -> list[dict[str, str]]:
+    """Criteria the playbook set to null (globally, or under a condition), with their steps."""
+    out = []
+    explicit = sorted(n for n in pb.criteria.model_fields_set if getattr(pb.criteria, n) is None)
+    for name in explicit:
+        out.append({"name": name, "steps": "every step", "why": f"criteria.{name}: null"})
+    for cond_name, cond in pb.conditions.items():
+        ids = [s.id for s in steps if s.network == cond_name]
+        for name, value in cond.criteria.items():
+            if ids and value is None and name not in explicit:
+                why = f"conditions.{cond_name}.criteria.{name}: null"
+                out.append({"name": name, "steps": ", ".join(ids), "why": why})
+    if pb.criteria.link_verdict == "auto" and not pb.preflight.probe_link:
+        why = "link_verdict auto without preflight.probe_link: nothing measured the KV link"
+        out.append({"name": LINK_VERDICT, "steps": "every step", "why": why})
+    return out
 
 
 def check_validity(

@@ -152,7 +152,9 @@ def stranded(objs: list[HeldObject], bound_s: float, observed_s: float) -> dict[
     worst = max(holds, key=lambda h: h[1], default=None)
     return {
         "kv_objects": len(objs),
-        "kv_stranded_max_s": worst[1] if worst else 0.0,
+        # no object, no measurement: the criterion is not_measured, never "0 s held"
+        "kv_stranded_max_s": worst[1] if worst else None,
+        "_kv_stranded_holds_s": [s for _, s in holds],
         "kv_stranded_byte_s": sum(o.bytes * s for o, s in holds),
         "kv_stranded_over_bound": sum(1 for _, s in holds if s > bound_s),
         "kv_stranded_still_held": sum(1 for o in objs if o.deleted_s is None),
@@ -192,6 +194,7 @@ def idle_burst(rows: list[dict[str, Any]], t0_s: float, burst_s: float) -> dict[
         "idle_ttft_ratio": float(np.percentile(burst, 99))
         / max(float(np.percentile(steady, 99)), 1e-9),
         "_steady_ttft_ms": steady,
+        "_burst_ttft_ms": burst,
     }
 
 
@@ -255,7 +258,9 @@ async def replay(
             if list(ids) != list(r["output_ids"]):
                 mismatches.append(_mismatch(r, list(ids)))
     return {
-        "replayed": len(candidates) - errors,
+        # every replay sent stays in the denominator: one that errored is neither a match nor
+        # a mismatch, and the criterion's bounds count it both ways
+        "replayed": len(candidates),
         "replay_mismatches": len(mismatches),
         "replay_errors": errors,
         "replay_mismatch_examples": mismatches[:3],
@@ -321,11 +326,13 @@ async def collect(
     await _replay_facts(ctx, rows, step_index, facts, missing)
     samples: dict[str, list[float]] = {}
     if idle_s > 0:
+        facts["idle_s"] = idle_s  # an idle-gap step: idle_ttft_ratio_max applies to it
         burst = idle_burst(rows, t0_s, ctx.idle_burst_s)
         if burst is None:
             missing.append("idle_ttft_ratio_max: no ok request in the burst or after it")
         else:
             samples["steady_ttft_ms"] = burst.pop("_steady_ttft_ms")
+            samples["burst_ttft_ms"] = burst.pop("_burst_ttft_ms")
             facts.update(burst, idle_s=idle_s)
     if ctx.audit_dir is None or ctx.stranded_bound_s is None:
         missing.append("kv_stranded_max_s: no KV store audit log (target.url or engine: vllm)")
@@ -356,6 +363,3 @@ async def _replay_facts(
         return
     result = await replay(ctx.url, picked, ctx.extra_body, ctx.model, ctx.timeout_s)
     facts.update(result)
-    if not result["replayed"]:
-        facts.pop("replayed")  # nothing compared: the gate is not judged
-        missing.append(f"output_mismatch_max: all {result['replay_errors']} replays failed")

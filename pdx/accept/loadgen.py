@@ -110,9 +110,22 @@ class LocustRun:
         self.procs.append(proc)
         return proc
 
-    async def run(self, args: list[str], duration_s: float, csv_prefix: Path, workers: int) -> int:
-        """Run to completion (bounded: duration + 60 s); return Locust's exit code."""
+    async def run(
+        self,
+        args: list[str],
+        duration_s: float,
+        csv_prefix: Path,
+        workers: int,
+        drain_s: float = 0.0,
+    ) -> int:
+        """Run to completion (bounded: duration + drain + 60 s); return Locust's exit code.
+
+        ``drain_s``: after the run time, requests in flight get this long to end (Locust's
+        ``--stop-timeout``); those still open then are recorded unfinished.
+        """
         run_args = [*args, "--run-time", f"{max(1, round(duration_s))}s", "--csv", str(csv_prefix)]
+        if drain_s > 0:
+            run_args += ["--stop-timeout", f"{math.ceil(drain_s)}"]
         with self.log_path.open("ab") as log:
             if workers <= 0:
                 main = await self._spawn(run_args, log)
@@ -145,7 +158,7 @@ class LocustRun:
                         log,
                     )
             try:
-                return await asyncio.wait_for(main.wait(), duration_s + 60)
+                return await asyncio.wait_for(main.wait(), duration_s + drain_s + 60)
             finally:
                 await self.stop()
 

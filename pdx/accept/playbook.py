@@ -220,6 +220,12 @@ class Criteria(BaseModel):
         default=2.0,
         description="idle-gap steps: burst TTFT p99 / steady TTFT p99 of the same step",
     )
+    link_verdict: Literal["GO", "auto"] | None = Field(
+        default="auto",
+        description="pdx probe-link's verdict on the KV link under each step's condition, "
+        "against the run's KV demand: GO = must be GO (not_measured without a probe); auto = "
+        "judged where preflight.probe_link probes the link, listed as not judged elsewhere",
+    )
 
 
 class Judgement(BaseModel):
@@ -231,8 +237,14 @@ class Judgement(BaseModel):
         description="one-sided confidence of every bound; 0 = judge point estimates (labelled)",
     )
     replay_requests: Annotated[int, Field(ge=0, le=1000)] = Field(
-        default=16,
-        description="per step, greedy requests replayed on the local route (output_mismatch_max)",
+        default=300,
+        description="per step, greedy requests replayed on the local route (output_mismatch_max; "
+        "a threshold of 0 needs 299 with none mismatched to bound the rate to 1 % at 95 %)",
+    )
+    zero_rate_bound: Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)] = Field(
+        default=0.01,
+        description="a rate threshold of 0 passes only when none was observed and the sample "
+        "bounds the rate at or below this (at judgement.confidence: 299 samples for 1 % at 95 %)",
     )
     request_deadline_s: PositiveFloat | None = Field(
         default=None,
@@ -308,6 +320,11 @@ class Preflight(BaseModel):
     )
     probe_step_duration_s: Annotated[float, Field(ge=0.2, le=60, allow_inf_nan=False)] = Field(
         default=0.5, description="probe-link --duration of each step's probe"
+    )
+    advisory: bool = Field(
+        default=False,
+        description="report the link verdict (criteria.link_verdict) without letting it decide "
+        "the run: for playbooks that run links the rules reject on purpose",
     )
 
 

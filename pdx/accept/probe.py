@@ -25,6 +25,16 @@ from pdx.accept.playbook import Playbook
 from pdx.errors import MeasurementError
 
 _PDX = [sys.executable, "-c", "from pdx.cli.main import main; main()"]
+# UDP probes per latency test: the loss rule passes only when none lost bounds loss to 0.1 %
+# (2,995 probes at 95 %), so each probe sends that many (with a margin) over its duration.
+LOSS_PROBES = 3200
+
+
+def loss_interval_ms(duration_s: float) -> str:
+    """The probe interval that sends :data:`LOSS_PROBES` probes in ``duration_s``."""
+    return f"{max(0.1, min(10.0, duration_s * 1e3 / LOSS_PROBES)):.3g}"
+
+
 _LISTENING = re.compile(r"listening on (\S+) tcp (\d+) udp (\d+)")
 
 
@@ -41,6 +51,8 @@ def probe_args(pb: Playbook, target: str) -> list[str]:
         "--json",
         "--duration",
         f"{p.probe_duration_s:g}",
+        "--interval-ms",
+        loss_interval_ms(p.probe_duration_s),
         "--streams",
         str(p.probe_streams),
         "--max-duration",
@@ -53,8 +65,9 @@ def probe_args(pb: Playbook, target: str) -> list[str]:
 
 
 def step_probe_args(pb: Playbook, target: str, streams: int) -> list[str]:
-    """A short probe of the link under one step's condition: RTT and loss (UDP probes every
-    2 ms) and goodput with ``streams`` streams (the deploy's KV stripes) and one."""
+    """A short probe of the link under one step's condition: RTT and loss (enough UDP probes
+    to bound loss to 0.1 %) and goodput with ``streams`` streams (the deploy's KV stripes) and
+    one."""
     p = pb.preflight
     return [
         "probe-link",
@@ -65,7 +78,7 @@ def step_probe_args(pb: Playbook, target: str, streams: int) -> list[str]:
         "--duration",
         f"{p.probe_step_duration_s:g}",
         "--interval-ms",
-        "2",
+        loss_interval_ms(p.probe_step_duration_s),
         "--streams",
         str(streams),
         "--max-duration",
@@ -157,7 +170,7 @@ async def run_probe(
     shown = ["pdx", *args]
     if netns:
         shown = ["ip", "netns", "exec", netns[1], *shown]
-    if proc.returncode not in (0, 1):  # 1 = the probe's own NO-GO; the report is still there
+    if proc.returncode not in (0, 1, 3):  # its own NO-GO / INCONCLUSIVE: the report is there
         return {"command": shown, "error": err.decode(errors="replace").strip()[-500:]}
     return {
         "command": shown,
@@ -176,7 +189,7 @@ def _trim(report: dict[str, Any]) -> dict[str, Any]:
 
 def judge_demand(
     probe: dict[str, Any], kv: tuple[int, int] | None, rps: float | None, rps_source: str,
-    ttft_budget_ms: float | None,
+    ttft_budget_ms: float | None, confidence: float = 0.95,
 ) -> dict[str, Any]:  # fmt: skip
     """Re-judge a probe report with the KV demand at the playbook's load.
 
@@ -188,7 +201,9 @@ def judge_demand(
     if report is None:
         return probe
     gbps = kv[1] * rps * 8 / 1e9 if kv is not None and rps else None
-    rules = VerdictRules(kv_gbps=gbps, ttft_budget_ms=ttft_budget_ms, kv_direction="down")
+    rules = VerdictRules(
+        kv_gbps=gbps, ttft_budget_ms=ttft_budget_ms, kv_direction="down", confidence=confidence
+    )
     report["kv_demand"] = {
         "gbps": gbps,
         "source": "pre-flight measure-kv × load",
@@ -251,7 +266,8 @@ def summary(probe: dict[str, Any] | None) -> dict[str, Any] | None:
         "jitter_ms": (report.get("jitter_ms") or {}).get("rfc3550"),
         "congestion_control": _algorithms(report.get("tcp") or {}),
         "kv_demand_gbps": (report.get("kv_demand") or {}).get("gbps"),
-        "verdict": "GO" if verdict.get("go") else "NO-GO" if verdict else None,
+        "verdict": verdict.get("result") if verdict else None,
+        "verdict_why": verdict.get("why") if verdict else None,
         "rules": [
             {k: r.get(k) for k in ("name", "status", "measured", "threshold", "unit")}
             for r in verdict.get("rules", [])

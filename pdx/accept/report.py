@@ -17,7 +17,10 @@ from pdx.accept.criteria import CriterionResult, ValidityResult
 from pdx.errors import InputError
 
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
-SCHEMA_VERSION = 2  # 2: recommendations became the settings object; the list is what_to_change
+# 2: recommendations became the settings object; the list is what_to_change.
+# 3: a criterion's result may be not_measured; threshold-0 criteria carry rate_bound; the link
+#    verdict is a criterion per step (link_verdict); not_judged lists the criteria set to null.
+SCHEMA_VERSION = 3
 
 
 class StepReport(BaseModel):
@@ -100,7 +103,7 @@ class Report(BaseModel):
     """A signed-off (or refused) acceptance run."""
 
     model_config = ConfigDict(extra="forbid")
-    schema_version: Literal[2] = 2
+    schema_version: Literal[3] = 3
     name: str
     verdict: Literal["GO", "NO-GO", "INCONCLUSIVE"]
     valid: bool
@@ -110,6 +113,11 @@ class Report(BaseModel):
     finished_at: str
     target: dict[str, Any]
     criteria: list[CriterionResult]
+    not_judged: list[dict[str, str]] = Field(
+        default_factory=list,
+        description="criteria the playbook set to null (globally or under a condition), each "
+        "with the steps it covers and why; listed, never counted as met",
+    )
     validity: list[ValidityResult]
     what_to_change: list[str] = Field(
         default_factory=list,
@@ -163,6 +171,8 @@ def load_report(directory: Path | str) -> Report:
         data = json.loads(p.read_text())
         if isinstance(data, dict) and data.get("schema_version") == 1:
             data = upgrade_v1(data)
+        if isinstance(data, dict) and data.get("schema_version") == 2:
+            data = dict(data, schema_version=3)  # 3 only adds fields and a result value
         return Report.model_validate(data)
     except ValueError as exc:
         raise InputError("report", str(p), f"a valid pdx report.json ({exc})") from None
@@ -170,7 +180,7 @@ def load_report(directory: Path | str) -> Report:
 
 def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     """A schema-1 report as schema 2: its list of changes moves to what_to_change."""
-    out = dict(data, schema_version=2)
+    out = dict(data, schema_version=3)
     old = out.pop("recommendations", None)
     out["what_to_change"] = list(old) if isinstance(old, list) else []
     out["recommendations"] = {
@@ -214,9 +224,18 @@ def _interval(c: CriterionResult) -> str:
 
 
 def result_cell(c: CriterionResult) -> str:
-    """pass / FAIL / UNDECIDED, with what would decide it."""
-    word = {"pass": "pass", "fail": "FAIL", "indeterminate": "UNDECIDED"}[c.result]
+    """pass / FAIL / UNDECIDED / NOT MEASURED, with what would decide it."""
+    word = {
+        "pass": "pass", "fail": "FAIL", "indeterminate": "UNDECIDED", "not_measured": "NOT MEASURED"
+    }[c.result]  # fmt: skip
+    if c.advisory:
+        word += " (advisory)"
     return word + (f" ({c.note})" if c.note else "")
+
+
+def not_judged_lines(report: Report) -> list[str]:
+    """The criteria set to null, one line each: never counted as met."""
+    return [f"Not judged: {n['name']} on {n['steps']} ({n['why']})" for n in report.not_judged]
 
 
 def criteria_rows(report: Report) -> list[list[str]]:
@@ -376,8 +395,11 @@ def _md_table(headers: list[str], rows: list[list[str]]) -> str:
 
 def _headline(report: Report) -> str:
     state = "" if report.complete else " (INCOMPLETE: interrupted or failed before the end)"
-    met = sum(1 for c in report.criteria if c.result == "pass")
-    undecided = sum(1 for c in report.criteria if c.result == "indeterminate")
+    deciding = [c for c in report.criteria if not c.advisory]
+    met = sum(1 for c in deciding if c.result == "pass")
+    undecided = sum(1 for c in deciding if c.result == "indeterminate")
+    unmeasured = sum(1 for c in deciding if c.result == "not_measured")
+    advisory = len(report.criteria) - len(deciding)
     how = (
         f"at {report.confidence:.0%} confidence"
         if report.confidence > 0
@@ -389,11 +411,14 @@ def _headline(report: Report) -> str:
         if ps.get("predicted")
         else ""
     )
+    extra = (f", {undecided} undecided" if undecided else "") + (
+        f", {unmeasured} not measured" if unmeasured else ""
+    )
+    tail = f"; {len(report.not_judged)} not judged (null)" if report.not_judged else ""
+    tail += f"; {advisory} advisory" if advisory else ""
     return (
         f"{report.verdict}{state} — run {'VALID' if report.valid else 'INVALID'}{unexplained}; "
-        f"{met}/{len(report.criteria)} criteria met"
-        + (f", {undecided} undecided" if undecided else "")
-        + f" {how}"
+        f"{met}/{len(deciding)} judged criteria met{extra} {how}{tail}"
     )
 
 
@@ -409,8 +434,10 @@ def statistics_line(report: Report) -> str:
         f"Each interval is [lower, upper] one-sided bounds at {c:.0%} confidence (together a "
         f"{2 * c - 1:.0%} two-sided interval): pass only when the whole interval clears the "
         "threshold, FAIL when it lies wholly beyond it, UNDECIDED otherwise (with the sample "
-        "that would decide it). Quantiles: order statistics; rates: Clopper-Pearson; retries "
-        "per transfer: Garwood; a threshold of 0 is judged on the count."
+        "that would decide it), NOT MEASURED when there was no sample at all; neither of the "
+        "last two passes a run. Quantiles: order statistics; rates: Clopper-Pearson; retries "
+        "per transfer: Garwood; a threshold of 0 fails on any observed and passes only when "
+        "none observed bounds the rate to judgement.zero_rate_bound."
     )
 
 
@@ -558,6 +585,7 @@ def render_markdown(report: Report) -> str:
         + statistics_line(report)
         + "\n\n"
         + _md_table(CRITERIA_HEADERS, criteria_rows(report))
+        + "".join(f"\n\n{line}" for line in not_judged_lines(report))
     )
     invalid = [v for v in report.validity if not v.valid]
     parts.append(
@@ -659,7 +687,7 @@ def _probe_lines(probe: dict[str, Any], s: dict[str, Any]) -> list[str]:
 
 
 def _css_class(cell: str) -> str:
-    return "fail" if cell.startswith(("FAIL", "INVALID", "UNDECIDED", "BEYOND")) else ""
+    return "fail" if cell.startswith(("FAIL", "INVALID", "UNDECIDED", "BEYOND", "NOT MEAS")) else ""
 
 
 def _html_table(headers: list[str], rows: list[list[str]]) -> str:
@@ -703,6 +731,7 @@ def render_html(report: Report, images: dict[str, str]) -> str:
     parts.append(
         f"<h2>Criteria</h2><p>{esc(statistics_line(report))}</p>"
         + _html_table(CRITERIA_HEADERS, criteria_rows(report))
+        + "".join(f"<p>{esc(line)}</p>" for line in not_judged_lines(report))
     )
     invalid = [v for v in report.validity if not v.valid]
     items = "".join(f"<li>{esc(v.step)}: {esc('; '.join(v.problems))}</li>" for v in invalid)
@@ -781,9 +810,12 @@ def diff_reports(a: Report, b: Report) -> list[dict[str, Any]]:
             if ca is None
             else "same"
             if ca.result == cb.result
-            else {"fail": "now fails", "pass": "now passes", "indeterminate": "now undecided"}[
-                cb.result
-            ]
+            else {
+                "fail": "now fails",
+                "pass": "now passes",
+                "indeterminate": "now undecided",
+                "not_measured": "now not measured",
+            }[cb.result]
         )
         rows.append(
             {

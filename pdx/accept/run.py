@@ -289,8 +289,41 @@ class AcceptRun:
             rps, how = (max(achieved), "highest achieved req/s of any step") if achieved else (
                 None, "no step finished")  # fmt: skip
         budget = self.pb.criteria.ttft_p99_ms or self.pb.criteria.ttft_p50_ms
-        judge_demand(probe, kv_bytes_per_request(kv), rps, how, budget)
-        probe["summary"] = summary(probe)
+        confidence = self.pb.judgement.confidence or 0.95
+        for each in [probe, *self._step_probes()]:
+            judge_demand(each, kv_bytes_per_request(kv), rps, how, budget, confidence)
+            each["summary"] = summary(each)
+
+    def _step_probes(self) -> list[dict[str, Any]]:
+        return [
+            o.report.preflight["probe_link"]
+            for o in self.outcomes
+            if o.report.preflight and o.report.preflight.get("probe_link")
+        ]
+
+    def _judge_link_per_step(self) -> None:
+        """criteria.link_verdict on every step: its own probe, else the baseline probe when its
+        condition leaves the steady link as it was (cuts, kills and idle gaps do), else none."""
+        baseline = ((self.preflight or {}).get("probe_link") or {}).get("report")
+        for o in self.outcomes:
+            wanted = step_criteria(self.pb, o.step).link_verdict
+            if wanted is None or (wanted == "auto" and not self.pb.preflight.probe_link):
+                continue
+            own = ((o.report.preflight or {}).get("probe_link") or {}).get("report")
+            cond = self.pb.conditions[o.step.network]
+            steady = bool(cond.delay_ms or cond.jitter_ms or cond.loss or cond.bandwidth_mbps)
+            probe = own if own is not None else (None if steady else baseline)
+            if not self.pb.preflight.probe_link:
+                why = "preflight.probe_link is off: nothing measured the KV link"
+            elif probe is None and steady:
+                why = (
+                    "this step's condition changes the link and the link was not probed "
+                    "under it (preflight.probe_each_step: true measures it)"
+                )
+            else:
+                why = "the link probe did not run or failed (see preflight.probe_link.error)"
+            verdict = (probe or {}).get("verdict")
+            o.criteria.append(judge.judge_link(o.step.id, verdict, why, self.pb.preflight.advisory))
 
     async def _stop_all(self) -> None:
         if self.locust is not None:
@@ -327,11 +360,15 @@ class AcceptRun:
         wan = self._schedule_wan_events(cond, kernel, t0)
         self.locust = LocustRun(locustfile, step_dir / "locust.log")
         args = step_args(self.pb, step, self.url, step_dir)
+        drain_limit_s = self._drain_limit_s()
         run = asyncio.create_task(
-            self.locust.run(args, step.duration_s, step_dir / "locust", self.pb.load.workers)
+            self.locust.run(
+                args, step.duration_s, step_dir / "locust", self.pb.load.workers, drain_limit_s
+            )
         )
         resources = await self._watch(step, run, t0)
         rc = await run
+        drain_s = max(0.0, time.time() - t0 - step.duration_s)
         wan_events = await wan if wan is not None else []
         if rc not in (0, 1):  # 1 = Locust saw failed requests; anything else: it did not run
             tail = (step_dir / "locust.log").read_text(errors="replace").strip()[-400:]
@@ -348,6 +385,8 @@ class AcceptRun:
         outcome = self._finish_step(
             step, step_dir, t0, rc, (before, after), (proxy_before, proxy_after), resources, gate
         )
+        outcome.report.summary["drain_s"] = round(drain_s, 3)
+        outcome.report.summary["drain_limit_s"] = drain_limit_s
         outcome.report.kernel = kernel
         outcome.report.preflight = {"probe_link": step_link} if step_link is not None else None
         outcome.report.fault_events += wan_events
@@ -357,6 +396,14 @@ class AcceptRun:
                 outcome.report.timeline, float(cond.kill_prefill_at_s or 0.0), 0.0
             )
         return outcome
+
+    def _drain_limit_s(self) -> float:
+        """How long requests still open when a step's load stops may take to end: their
+        deadline + 2 × RTT (+ 1 s for Locust to notice), so each ends answered, errored or
+        overdue — a hang is never cut off as "unfinished" before it is overdue."""
+        if self.gates is None:
+            return 0.0
+        return round(self.gates.deadline_s + 2 * self.gates.rtt_s + 1.0, 3)
 
     async def _probe_step(self) -> dict[str, Any] | None:
         """The link under this step's condition, before its load (preflight.probe_each_step)."""
@@ -456,9 +503,11 @@ class AcceptRun:
         cond = self.pb.conditions[step.network]
         validity = judge.check_validity(step, summary, elapsed, self.pb.validity)
         values = {**samples(rows), **(gate.samples if gate else {})}
+        j = self.pb.judgement
         results = judge.judge_step(
-            step, summary, step_criteria(self.pb, step), values, self.pb.judgement.confidence
+            step, summary, step_criteria(self.pb, step), values, j.confidence, j.zero_rate_bound
         )
+        summary.pop("_kv_stranded_holds_s", None)
         bins = timeline(rows, t0)
         rec_s = None
         if cond.link_down_at_s is not None and cond.link_down_for_s is not None:
@@ -500,6 +549,7 @@ class AcceptRun:
             self._judge_link()
         except Exception as exc:  # the link figures must never cost the reviewer the report
             self.problems.append(f"link verdict failed: {type(exc).__name__}: {exc}")
+        self._judge_link_per_step()
         criteria = [c for o in self.outcomes for c in o.criteria]
         validity = [o.validity for o in self.outcomes]
         valid = complete and bool(validity) and all(v.valid for v in validity)
@@ -533,6 +583,7 @@ class AcceptRun:
             finished_at=_now(),
             target=self.target_info,
             criteria=criteria,
+            not_judged=judge.not_judged(self.pb, self.steps),
             validity=validity,
             what_to_change=recs,
             recommendations=settings,
@@ -574,10 +625,12 @@ EXIT_CODES = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
 def run_verdict(
     valid: bool, criteria: list[judge.CriterionResult]
 ) -> Literal["GO", "NO-GO", "INCONCLUSIVE"]:
-    """Any failed criterion or an invalid run → NO-GO; else any undecided one → INCONCLUSIVE."""
-    if not valid or any(c.result == "fail" for c in criteria):
+    """Any failed criterion or an invalid run → NO-GO; else any undecided or unmeasured one →
+    INCONCLUSIVE; GO needs at least one judged criterion. Advisory criteria never decide."""
+    deciding = [c for c in criteria if not c.advisory]
+    if not valid or any(c.result == "fail" for c in deciding):
         return "NO-GO"
-    if any(c.result == "indeterminate" for c in criteria):
+    if not deciding or any(c.result in ("indeterminate", "not_measured") for c in deciding):
         return "INCONCLUSIVE"
     return "GO"
 

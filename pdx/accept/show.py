@@ -14,6 +14,7 @@ from pdx.accept.report import (
     Report,
     _headline,
     criteria_rows,
+    not_judged_lines,
     prediction_line,
     prediction_rows,
     preflight_lines,
@@ -27,7 +28,7 @@ def _mark(cell: str) -> str:
     text = escape(cell)
     if cell.startswith(("FAIL", "INVALID", "BEYOND")):
         return f"[bold red]{text}[/]"
-    if cell.startswith("UNDECIDED"):
+    if cell.startswith(("UNDECIDED", "NOT MEASURED")):
         return f"[bold yellow]{text}[/]"
     return text
 
@@ -94,6 +95,8 @@ def render_report(console: Console, report: Report) -> None:
     crit = [[r[0], short.get(r[1], r[1]), *r[2:]] for r in criteria_rows(report)]
     console.print(_table("criteria", CRITERIA_HEADERS, crit))
     console.print(statistics_line(report), markup=False, highlight=False)
+    for line in not_judged_lines(report):
+        console.print(line, markup=False, highlight=False)
     console.print(_table("steps (ms unless stated)", _COMPACT, _compact_rows(report, short)))
     for full, brief in short.items():
         console.print(f"{brief} = {full}")

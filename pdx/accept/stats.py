@@ -52,8 +52,11 @@ FORMULAS: dict[str, str] = {
     "P(Binomial(n, q) ≥ l) ≥ c (l largest); a p99 needs n ≥ 299 for an upper bound at c = 0.95",
     "rate bounds": "Clopper–Pearson: low = Beta⁻¹(1−c; k, n−k+1), high = Beta⁻¹(c; k+1, n−k); "
     "retries per transfer: Garwood low = χ²⁻¹(1−c; 2k)/2n, high = χ²⁻¹(c; 2k+2)/2n",
-    "threshold 0": "none observed: judged on the count; the sample bounds the rate to "
-    "1 − (1−c)^(1/n) when the count is 0",
+    "threshold 0": "none allowed: any observed fails; none observed bounds the rate to "
+    "1 − (1−c)^(1/n) and passes only when that is ≤ judgement.zero_rate_bound (n ≥ 299 for 1 % "
+    "at 95 %), else indeterminate; replays that errored count as mismatches for the bound",
+    "not_measured": "no sample at all (no KV transfer, KV object, disaggregated request, replay "
+    "or gate record): undecided, so the run is INCONCLUSIVE unless the criterion is set to null",
     "requests_needed": "smallest sample that decides an indeterminate criterion if the observed "
     "rate (or share of values under the threshold) stayed the same",
     "silent_fallback_rate": "ok requests labelled disaggregated (more than one token) whose "

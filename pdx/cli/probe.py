@@ -150,7 +150,11 @@ def probe_link(
     chunk_share: float = typer.Option(0.15, "--chunk-share", help="Max chunk p99/TTFT budget."),
     connect_timeout: float = typer.Option(5.0, "--connect-timeout", help="Seconds to connect."),
 ) -> None:
-    """Measure bandwidth, RTT, loss, jitter, MTU and KV chunk times; exit 0 GO, 1 NO-GO, 2 error."""
+    """Measure bandwidth, RTT, loss, jitter, MTU and KV chunk times and judge the link.
+
+    Exit 0 GO, 1 NO-GO, 3 INCONCLUSIVE (a rule the verdict needs was not given or not
+    decided: --kv-gbps / --kv-report for bandwidth, --ttft-budget-ms for RTT), 2 error.
+    """
     from pdx.link.probe import ALL_PHASES, ProbeOptions
     from pdx.link.probe import probe_link as run_probe
     from pdx.link.verdict import VerdictRules, kv_demand_from_report
@@ -222,7 +226,10 @@ def probe_link(
     with kv_sweep:
         report = run_probe(opts, progress)
     emit(report, as_json=as_json, render=render_report)
-    raise typer.Exit(0 if report["verdict"]["go"] else 1)
+    raise typer.Exit(VERDICT_EXIT_CODES[report["verdict"]["result"]])
+
+
+VERDICT_EXIT_CODES = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
 
 
 def _kv_sweep(
@@ -360,8 +367,7 @@ def _transport_title(report: dict[str, Any]) -> str:
 
 
 def _verdict_table(verdict: dict[str, Any]) -> Table:
-    word = "GO" if verdict["go"] else "NO-GO"
-    table = Table(title=f"verdict: {word}")
+    table = Table(title=f"verdict: {verdict['result']} ({verdict['why']})")
     for name in ("rule", "status", "measured", "threshold", "margin"):
         table.add_column(name, no_wrap=True)
     notes = []
@@ -375,6 +381,8 @@ def _verdict_table(verdict: dict[str, Any]) -> Table:
             _fmt(r["margin"]) + unit,
         )
         notes.append(f"{r['name']}: {r['detail']}")
+    if verdict.get("judged") is not None:
+        notes.append("judged: " + (", ".join(verdict["judged"]) or "none"))
     table.caption = "\n".join(notes)
     table.caption_justify = "left"
     return table

@@ -219,3 +219,18 @@ def wilson_interval(successes: int, trials: int) -> tuple[float, float]:
     spread = _Z975 * math.sqrt(p * (1 - p) / trials + z2 / (4 * trials * trials)) / denom
     # Clamp rounding so the interval always contains the observed proportion.
     return (max(0.0, min(p, centre - spread)), min(1.0, max(p, centre + spread)))
+
+
+def clopper_pearson(k: float, n: float, confidence: float) -> tuple[float, float]:
+    """One-sided Clopper–Pearson (exact binomial) bounds on a proportion from ``k`` of ``n``.
+
+    ``(0, 1)`` when there is no sample; ``k`` may be fractional (a scaled share).
+    """
+    from scipy import stats as sps
+
+    if n <= 0:
+        return 0.0, 1.0
+    alpha = 1.0 - confidence
+    low = 0.0 if k <= 0 else float(sps.beta.ppf(alpha, k, n - k + 1))
+    high = 1.0 if k >= n else float(sps.beta.ppf(confidence, k + 1, n - k))
+    return low, high

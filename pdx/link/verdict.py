@@ -1,9 +1,15 @@
-"""GO / NO-GO: can this link carry the KV load within the TTFT budget?
+"""GO / NO-GO / INCONCLUSIVE: can this link carry the KV load within the TTFT budget?
 
 Rules (thresholds configurable): KV demand <= 70 % of measured available bandwidth;
 RTT p99 <= 20 % of the TTFT budget; loss <= 0.1 %; chunk p99 <= 15 % of the TTFT budget.
 Each rule reports measured value, threshold, margin (threshold - measured, so positive
-is headroom) and pass/fail. Rules whose inputs were not given are skipped, and say why.
+is headroom) and pass / fail / indeterminate / skip. Rules whose inputs were not given are
+skipped, and say why. Loss is judged on its Clopper-Pearson bounds at ``confidence``: pass
+only when the probes bound it at or under the threshold (0 lost of 2,995 bounds it to 0.1 %
+at 95 %), fail only when they bound it above.
+
+The verdict is GO only when every rule it needs (bandwidth, RTT, loss) was judged and none
+failed or stayed undecided; NO-GO when any rule failed; INCONCLUSIVE otherwise.
 """
 
 from __future__ import annotations
@@ -15,7 +21,11 @@ from pathlib import Path
 from typing import Any
 
 from pdx.errors import InputError
+from pdx.link.stats import clopper_pearson
 from pdx.units import bytes_per_s_to_gbps, human_bytes
+
+REQUIRED_RULES = ("kv_bandwidth", "rtt", "loss")
+"""Without these judged, nothing says the link carries the KV load in time."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +39,7 @@ class VerdictRules:
     max_loss_pct: float = 0.1
     chunk_share: float = 0.15
     kv_direction: str = "up"
+    confidence: float = 0.95
 
 
 @dataclass
@@ -36,7 +47,7 @@ class Rule:
     """One judged rule."""
 
     name: str
-    status: str  # "pass", "fail" or "skip"
+    status: str  # "pass", "fail", "indeterminate" or "skip"
     measured: float | None
     threshold: float | None
     margin: float | None
@@ -46,10 +57,13 @@ class Rule:
 
 @dataclass
 class Verdict:
-    """Overall GO (every applicable rule passed) or NO-GO, with every rule."""
+    """GO, NO-GO or INCONCLUSIVE, with every rule and which were judged."""
 
     go: bool
     rules: list[Rule] = field(default_factory=list)
+    result: str = "INCONCLUSIVE"  # GO | NO-GO | INCONCLUSIVE
+    judged: list[str] = field(default_factory=list)
+    why: str = ""
 
 
 def kv_demand_from_report(path: Path, qps: float, seq: int | None = None) -> tuple[float, str]:
@@ -106,13 +120,25 @@ def _skip(name: str, unit: str, why: str) -> Rule:
 
 def judge(report: dict[str, Any], rules: VerdictRules) -> Verdict:
     """Apply the rules to a probe report (the ``probe-link --json`` document)."""
-    judged = [
+    all_rules = [
         _bandwidth_rule(report, rules),
         _rtt_rule(report, rules),
         _loss_rule(report, rules),
         _chunk_rule(report, rules),
     ]
-    return Verdict(go=all(r.status != "fail" for r in judged), rules=judged)
+    judged = [r.name for r in all_rules if r.status != "skip"]
+    failed = [r.name for r in all_rules if r.status == "fail"]
+    open_ = [r.name for r in all_rules if r.status == "indeterminate"]
+    missing = [n for n in REQUIRED_RULES if n not in judged]
+    if failed:
+        result, why = "NO-GO", "failed: " + ", ".join(failed)
+    elif open_ or missing:
+        parts = [f"undecided: {', '.join(open_)}"] if open_ else []
+        parts += [f"not judged: {', '.join(missing)}"] if missing else []
+        result, why = "INCONCLUSIVE", "; ".join(parts)
+    else:
+        result, why = "GO", "judged: " + ", ".join(judged)
+    return Verdict(go=result == "GO", rules=all_rules, result=result, judged=judged, why=why)
 
 
 def _bandwidth_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:
@@ -154,13 +180,43 @@ def _loss_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:
     if loss.get("up") is None:
         return _skip(name, unit, "loss was not measured")
     worst = max(loss["up"], loss["down"])
-    lo, hi = loss.get("up_ci95", [None, None])
-    detail = f"worse of upstream/downstream over {loss.get('probes')} probes"
-    if hi is not None:
-        detail += f"; upstream 95 % interval {lo:.3f}-{hi:.3f} %"
-        if hi > rules.max_loss_pct:
-            detail += f" (too few probes to show loss <= {rules.max_loss_pct:g} %)"
-    return _judge(name, worst, rules.max_loss_pct, unit, detail, lower_is_better=True)
+    sent = int(loss.get("probes") or 0)
+    up_lost = int(loss.get("up_count") or 0)
+    down_lost = int(loss.get("down_count") or 0)
+    c = rules.confidence
+    # each direction's one-sided Clopper-Pearson bounds, in percent
+    bounds = [_cp_pct(up_lost, sent, c), _cp_pct(down_lost, max(sent - up_lost, 0), c)]
+    low, high = max(b[0] for b in bounds), max(b[1] for b in bounds)
+    threshold = rules.max_loss_pct
+    detail = (
+        f"worse of upstream/downstream over {sent} probes; bounds {low:.3f}-{high:.3f} % at {c:.0%}"
+    )
+    if high <= threshold:
+        status = "pass"
+    elif low > threshold:
+        status = "fail"
+    else:
+        status = "indeterminate"
+        need = _probes_needed(threshold / 100, c)
+        detail += (
+            f"; too few probes to show loss <= {threshold:g} % (none lost in {need:,} would)"
+            if need
+            else f"; no probe count shows loss <= {threshold:g} %"
+        )
+    return Rule(name, status, worst, threshold, threshold - worst, unit, detail)
+
+
+def _cp_pct(k: int, n: int, confidence: float) -> tuple[float, float]:
+    """One-sided Clopper-Pearson bounds on a loss rate, in percent (0-100 with no sample)."""
+    low, high = clopper_pearson(k, n, confidence)
+    return 100.0 * low, 100.0 * high
+
+
+def _probes_needed(rate: float, confidence: float) -> int | None:
+    """Probes with none lost that bound the loss rate to ``rate``: ⌈ln(1 − c) / ln(1 − rate)⌉."""
+    if rate <= 0:
+        return None
+    return math.ceil(math.log(1.0 - confidence) / math.log1p(-min(rate, 0.999999)) - 1e-9)
 
 
 def _chunk_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:

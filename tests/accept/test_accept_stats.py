@@ -89,17 +89,20 @@ def test_judging_margins_and_absent_data() -> None:
     assert not got["ttft_p99_ms"].passed
     assert got["transfer_success_min"].margin == pytest.approx(1.0 - 0.999)
     assert not got["retry_rate_max"].passed and not got["error_rate_max"].passed
-    # No transfers at all (every prompt prefilled locally): transfer criteria are not failed,
-    # and the note says why; latency criteria with no data do fail.
+    # No transfers at all (every prompt prefilled locally): the transfer, retry and stranded-KV
+    # criteria have no sample: not_measured (never a pass), and the note says what would
+    # measure them; latency criteria with no data are not measured either.
     local = summarize(_rows([10.0] * 5, pdx={"route": "local"}), elapsed_s=5.0)
     derive_rates(local, {})
     res = {c.name: c for c in judge_step(step, local, crit)}
-    assert (
-        res["transfer_success_min"].passed and "no KV transfers" in res["transfer_success_min"].note
-    )
+    for name in ("transfer_success_min", "retry_rate_max", "kv_stranded_max_s"):
+        assert res[name].result == "not_measured" and not res[name].passed, name
+    assert "no KV transfer" in res["transfer_success_min"].note
+    assert "local_prefill_max_tokens" in res["transfer_success_min"].note
     empty = summarize([], elapsed_s=0.0)
     derive_rates(empty, {})
-    assert not {c.name: c for c in judge_step(step, empty, crit)}["ttft_p99_ms"].passed
+    got_empty = {c.name: c for c in judge_step(step, empty, crit)}["ttft_p99_ms"]
+    assert got_empty.result == "not_measured" and not got_empty.passed
 
 
 def test_validity_rules() -> None:

@@ -16,7 +16,8 @@ def _report(**over: Any) -> dict[str, Any]:
     base: dict[str, Any] = {
         "throughput": {"up_gbps": 10.0, "down_gbps": 8.0},
         "rtt_ms": {"p99": 2.0},
-        "loss": {"up": 0.0, "down": 0.05, "probes": 1000, "up_ci95": [0.0, 0.38]},
+        # 10 of 20,000 lost downstream: 0.05 %, bounded to <= 0.085 % at 95 % (under 0.1 %)
+        "loss": {"up": 0.0, "down": 0.05, "probes": 20_000, "up_count": 0, "down_count": 10},
         "chunks": [
             {"chunk_bytes": 1 << 20, "p99_ms": 3.0},
             {"chunk_bytes": 4 << 20, "p99_ms": 12.0},
@@ -47,7 +48,11 @@ def test_every_rule_passes_with_margin() -> None:
     [
         (_report(), VerdictRules(kv_gbps=7.5), "kv_bandwidth"),
         (_report(rtt_ms={"p99": 25.0}), VerdictRules(ttft_budget_ms=100), "rtt"),
-        (_report(loss={"up": 0.2, "down": 0.0, "probes": 9}), VerdictRules(), "loss"),
+        (
+            _report(loss={"up": 2.0, "down": 0.0, "probes": 10_000, "up_count": 200}),
+            VerdictRules(),
+            "loss",
+        ),
         (_report(chunk_recommended_bytes=None), VerdictRules(ttft_budget_ms=10), "chunk_p99"),
     ],
 )
@@ -69,9 +74,29 @@ def test_kv_direction_picks_the_bandwidth_compared() -> None:
 
 def test_rules_without_inputs_are_skipped_and_say_why() -> None:
     verdict = judge({"loss": None, "throughput": None}, VerdictRules(kv_gbps=1.0))
-    assert verdict.go
+    # nothing judged is not a GO: the verdict says which rules it needed
+    assert not verdict.go and verdict.result == "INCONCLUSIVE" and verdict.judged == []
+    assert "not judged: kv_bandwidth, rtt, loss" in verdict.why
     assert {r.status for r in verdict.rules} == {"skip"}
     assert all(r.detail for r in verdict.rules)
+
+
+def test_loss_is_judged_on_its_bound_not_the_point_estimate() -> None:
+    """None lost of 100 probes bounds loss only to 3 %: undecided, never a pass of 0.1 %."""
+    few = _rules(judge(_report(loss={"up": 0.0, "down": 0.0, "probes": 100}), VerdictRules()))
+    assert few["loss"].status == "indeterminate" and "2,995" in few["loss"].detail
+    enough = {"up": 0.0, "down": 0.0, "probes": 2995, "up_count": 0, "down_count": 0}
+    assert _rules(judge(_report(loss=enough), VerdictRules()))["loss"].status == "pass"
+    fewer = {**enough, "probes": 2994}
+    assert _rules(judge(_report(loss=fewer), VerdictRules()))["loss"].status == "indeterminate"
+
+
+def test_verdict_needs_bandwidth_rtt_and_loss_judged() -> None:
+    only_loss = judge(_report(), VerdictRules())
+    assert only_loss.result == "INCONCLUSIVE" and not only_loss.go
+    assert only_loss.judged == ["loss"] and "kv_bandwidth, rtt" in only_loss.why
+    full = judge(_report(), VerdictRules(kv_gbps=5.0, ttft_budget_ms=100.0))
+    assert full.result == "GO" and full.go
 
 
 def _kv_file(tmp_path: Path, data: Any) -> Path:

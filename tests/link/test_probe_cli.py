@@ -76,6 +76,8 @@ def test_go_exits_0_with_the_documented_json(probe_server: ProbeServer) -> None:
         "0.01",
         "--ttft-budget-ms",
         "1000",
+        "--interval-ms",
+        "0.1",  # 3,000 UDP probes: none lost bounds loss to 0.1 % (the loss rule can pass)
         "--json",
     )
     assert code == 0
@@ -89,8 +91,9 @@ def test_go_exits_0_with_the_documented_json(probe_server: ProbeServer) -> None:
     assert set(report["loss"]) >= {"up", "down", "probes", "bursts", "max_burst"}
     assert isinstance(report["mtu"], int)
     assert set(report["chunks"][0]) >= {"chunk_bytes", "gbps", "p50_ms", "p99_ms"}
-    assert report["verdict"]["go"] is True
+    assert report["verdict"]["go"] is True and report["verdict"]["result"] == "GO"
     assert [r["status"] for r in report["verdict"]["rules"]] == ["pass"] * 4
+    assert report["verdict"]["judged"] == ["kv_bandwidth", "rtt", "loss", "chunk_p99"]
 
 
 def test_no_go_exits_1_and_names_the_failing_rule(probe_server: ProbeServer) -> None:
@@ -124,9 +127,10 @@ def test_kv_report_and_qps_set_the_demand(probe_server: ProbeServer, tmp_path: P
         "--json",
     )
     report = json.loads(out)
-    assert code == 0
     assert report["kv_demand"]["gbps"] == pytest.approx(4.0)
     assert report["verdict"]["rules"][0]["status"] == "skip"  # no throughput measured
+    # the bandwidth rule could not be judged: not a GO, exit 3
+    assert code == 3 and report["verdict"]["result"] == "INCONCLUSIVE"
 
 
 def test_server_and_client_as_real_processes() -> None:
@@ -158,7 +162,11 @@ def test_server_and_client_as_real_processes() -> None:
             text=True,
             timeout=60,
         )
-        assert client.returncode == 0, client.stderr
+        # No rule given (no --kv-gbps, no --ttft-budget-ms): INCONCLUSIVE, exit 3, never GO
+        assert client.returncode == 3, client.stderr
+        verdict = json.loads(client.stdout)["verdict"]
+        assert verdict["result"] == "INCONCLUSIVE" and not verdict["go"]
+        assert "not judged: kv_bandwidth, rtt" in verdict["why"]
         assert json.loads(client.stdout)["loss"]["up"] == 0
         wrong = subprocess.run(
             [pdx, "probe-link", f"127.0.0.1:{port}", "--secret", "nope"],
