@@ -38,6 +38,25 @@ def test_registry_lists_both_backends() -> None:
     assert {"transformers", "synthetic"} <= set(backend_names())
 
 
+def test_a_registered_backend_can_be_chosen_from_config() -> None:
+    from pdx.errors import ConfigError
+    from pdx.serving.backends import ModelBackend, register_backend
+    from pdx.serving.backends.base import BACKENDS
+    from pdx.serving.deploy_config import load_deploy_config
+
+    class EchoBackend(ModelBackend):
+        name = "echo-test"
+
+    with pytest.raises(ConfigError, match=r"model\.backend.*synthetic, transformers"):
+        load_deploy_config(dotted=["model.backend=echo-test"])
+    register_backend(EchoBackend)  # type: ignore[type-abstract]
+    try:
+        assert load_deploy_config(dotted=["model.backend=echo-test"]).model.backend == "echo-test"
+        assert "echo-test" in backend_names()
+    finally:
+        del BACKENDS["echo-test"]
+
+
 def test_unknown_preset_is_a_clear_error() -> None:
     with pytest.raises(InputError, match=r"model\.preset"):
         create_backend(BackendConfig(preset="no-such-model"))

@@ -1,4 +1,9 @@
-"""Backend base class, the shared config and the registry."""
+"""Backend base class, the shared config, and the table of backends by name.
+
+:mod:`pdx.serving.backends.registry` registers and builds backends through that table;
+the config checks a backend's name against it, so a backend added with
+``register_backend`` can be chosen from the deploy config.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 if TYPE_CHECKING:
     import torch
@@ -15,12 +20,21 @@ if TYPE_CHECKING:
     from pdx.serving.backends.tokenizer import Tokenizer
 
 
+#: Every backend by name: its class once loaded, else where to import it from ("module:Class";
+#: the built-ins load on first use, so naming a backend does not import torch).
+#: :func:`pdx.serving.backends.registry.register_backend` adds to it.
+BACKENDS: dict[str, type[ModelBackend] | str] = {
+    "synthetic": "pdx.serving.backends.synthetic:SyntheticBackend",
+    "transformers": "pdx.serving.backends.transformers_backend:TransformersBackend",
+}
+
+
 class BackendConfig(BaseModel):
     """Which model to serve and how. Every process of a deployment builds the same model from it."""
 
     model_config = ConfigDict(extra="forbid")
 
-    backend: Literal["transformers", "synthetic"] = "transformers"
+    backend: str = Field("transformers", description="a registered backend's name")
     preset: str = Field("tiny-llama", description="built-in tiny config or measure-kv preset name")
     checkpoint: str | None = Field(None, description="local checkpoint dir (transformers only)")
     seed: int = Field(0, description="seed for random weights, identical in every process")
@@ -32,6 +46,13 @@ class BackendConfig(BaseModel):
     prefill_tflops: float = Field(50.0, gt=0, description="synthetic: effective prefill TFLOP/s")
     decode_hbm_gbps: float = Field(2000.0, gt=0, description="synthetic: HBM bandwidth in GB/s")
     synthetic_time_scale: float = Field(1.0, ge=0, description="synthetic: multiply compute time")
+
+    @field_validator("backend")
+    @classmethod
+    def _registered(cls, value: str) -> str:
+        if value not in BACKENDS:
+            raise ValueError(f"unknown backend; expected one of {', '.join(BACKENDS)}")
+        return value
 
 
 @dataclass
