@@ -33,7 +33,8 @@ from pdx.transfer.contract import (
     parse_kv_id,
 )
 from pdx.transfer.dataplane.framing import BUFFERS
-from pdx.transfer.dataplane.server import DataServer, GetOutcome, Handoff, PutOutcome
+from pdx.transfer.dataplane.handoff import GetOutcome, Handoff, PutOutcome
+from pdx.transfer.dataplane.server import DataServer
 from pdx.transfer.rpc import SERVICE_NAME
 from pdx.transfer.store import KVStore, StoredObject
 from pdx.transfer.wire import is_chunk_message, parse_chunk

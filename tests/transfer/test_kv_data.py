@@ -284,7 +284,7 @@ async def test_an_object_written_on_one_transport_reads_on_the_other(
 
 
 async def test_a_handoff_the_thread_gave_up_on_never_waits_forever() -> None:
-    from pdx.transfer.dataplane.server import Handoff
+    from pdx.transfer.dataplane.handoff import Handoff
 
     loop = asyncio.get_running_loop()
     late = Handoff(loop)

@@ -15,14 +15,16 @@ import socket
 import ssl
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from google.protobuf.message import DecodeError
 
 from pdx._proto import kv_transfer_pb2 as pb
 from pdx.tcp import available_congestion_controls, buffer_limits, set_congestion_control
 from pdx.tls import peer_common_name
+from pdx.transfer.audit import AuditLog
 from pdx.transfer.contract import KVError, KVErrorCode
 from pdx.transfer.dataplane.framing import (
     DEFAULT_REQUEST_TIMEOUT_S,
@@ -42,90 +44,34 @@ from pdx.transfer.dataplane.framing import (
     peer_name,
     tls_handshake,
 )
+from pdx.transfer.dataplane.handoff import GetOutcome, Handoff, PutOutcome
+from pdx.transfer.metrics import KVMetrics
+from pdx.transfer.store import StoredObject
 from pdx.transfer.wire import digest64
-
-if TYPE_CHECKING:
-    from pdx.transfer.service import KVService
-    from pdx.transfer.store import StoredObject
 
 log = logging.getLogger(__name__)
 
 
-class Handoff:
-    """Hands a store object from the loop to a connection thread and the result back.
+class DataHandler(Protocol):
+    """What the data plane hands each request to: the store's service, on the event loop
+    (:class:`pdx.transfer.service.KVService` is one). It gets the request and a
+    :class:`Handoff`; it gives the connection thread the object (or what to send) through
+    it, and gets back a :class:`PutOutcome` / :class:`GetOutcome`."""
 
-    The service coroutine calls :meth:`exchange` (on the loop) once it holds the object;
-    the connection thread waits for it with :meth:`wait`, moves the bytes, and answers
-    with :meth:`deliver`.
-    """
+    audit: AuditLog
+    metrics: KVMetrics
 
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.given: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self._answer: asyncio.Future[Any] | None = None
-        self._abandoned: BaseException | None = None
+    def data_put(
+        self, header: pb.PutHeader, who: str, peer: str, timeout_s: float | None, handoff: Handoff
+    ) -> Coroutine[Any, Any, pb.PutResponse]:
+        """A Put whose chunks a connection thread receives (it is handed the StoredObject)."""
+        ...
 
-    async def exchange(self, value: Any) -> Any:
-        """(loop) Give ``value`` to the thread; wait for what it delivers."""
-        if self._abandoned is not None:  # the thread stopped waiting for us
-            raise self._abandoned
-        self._answer = self.loop.create_future()
-        self.given.set_result(value)
-        return await self._answer
-
-    def abandon(self, exc: BaseException) -> None:
-        """(thread) Stop waiting: an :meth:`exchange` now or later raises ``exc``.
-
-        Without this, a request whose store side got going only after the connection
-        thread gave up would wait for an answer forever, holding its slot.
-        """
-
-        def mark() -> None:
-            self._abandoned = exc
-            if self._answer is not None and not self._answer.done():
-                self._answer.set_exception(exc)
-
-        self.loop.call_soon_threadsafe(mark)
-
-    def wait(self, call: concurrent.futures.Future[Any], timeout_s: float) -> Any:
-        """(thread) The value given, or the call's own outcome if it ended before giving one."""
-        done, _ = concurrent.futures.wait(
-            [self.given, call], timeout=timeout_s, return_when=concurrent.futures.FIRST_COMPLETED
-        )
-        if self.given in done:
-            return self.given.result()
-        if call in done:
-            call.result()  # raises the store's error (e.g. KV_NOT_FOUND)
-            raise KVError(KVErrorCode.KV_INTERNAL, "request ended without an answer")
-        raise TimeoutError("store did not answer in time")
-
-    def deliver(self, value: Any) -> None:
-        """(thread) Send the result back to the waiting coroutine."""
-
-        def put() -> None:
-            if self._answer is not None and not self._answer.done():
-                self._answer.set_result(value)
-
-        self.loop.call_soon_threadsafe(put)
-
-
-@dataclass
-class PutOutcome:
-    """What a connection thread received for one Put stream."""
-
-    chunks: list[tuple[int, memoryview]] = field(default_factory=list)
-    nbytes: int = 0
-    trailer_digest: int | None = None
-    error: KVError | None = None
-
-
-@dataclass
-class GetOutcome:
-    """What a connection thread sent for one Get."""
-
-    nbytes: int = 0
-    chunks: int = 0
-    error: KVError | None = None
+    def data_get(
+        self, request: pb.GetRequest, who: str, peer: str, timeout_s: float | None, handoff: Handoff
+    ) -> Coroutine[Any, Any, None]:
+        """A Get whose chunks a connection thread sends (it is handed info and chunks)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -240,7 +186,7 @@ class DataServer:
 
     def __init__(
         self,
-        service: KVService,
+        service: DataHandler,
         loop: asyncio.AbstractEventLoop,
         host: str,
         port: int,
