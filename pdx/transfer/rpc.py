@@ -126,9 +126,25 @@ _FROM_STATUS: dict[grpc.StatusCode, KVErrorCode] = {
 }
 
 
+def _lost_status(exc: grpc.aio.AioRpcError) -> bool:
+    """The client's own write failure standing in for the status the server sent."""
+    return (
+        exc.code() is grpc.StatusCode.INTERNAL
+        and exc.details() == "Internal error from Core"
+        and "SendMessageOperation" in (exc.debug_error_string() or "")
+    )
+
+
 def map_rpc_error(exc: grpc.aio.AioRpcError, kv_id: str = "") -> KVError:
     """The one mapping from a gRPC failure to a contract error (metadata first, status second)."""
     meta = {k: v for k, v in (exc.trailing_metadata() or ())}
+    if _lost_status(exc):
+        # grpc.aio (grpc/grpc#36066): when a server ends a client stream (a refused Put)
+        # while a write is in flight, the failed write replaces the server's status with
+        # INTERNAL. The stream closed under us and its answer is lost: retryable, so the
+        # retry (under the budget) hears the server's own code.
+        return KVError(KVErrorCode.KV_UNAVAILABLE, "stream closed during a write; status lost",
+                       kv_id=kv_id)  # fmt: skip
     name = meta.get(ERROR_METADATA_KEY)
     if isinstance(name, str) and name in KVErrorCode.__members__:
         code = KVErrorCode(name)

@@ -113,3 +113,17 @@ async def test_trailer_header_must_start_at_zero_without_digest(
     msgs = [_header(data, digest_in_trailer=True, object_digest=5), *_chunks(data)]
     err = await _raw_put(target, kv_client_cfg, msgs)
     assert err.code is KVErrorCode.KV_INVALID and "digest_in_trailer" in err.message
+
+
+def test_a_status_lost_to_a_failed_write_is_retryable() -> None:
+    """grpc.aio reports its own failed write (INTERNAL) when the server ended the stream first
+    (a refused Put): the server's answer is lost, so it maps to a retryable KV_UNAVAILABLE;
+    a real INTERNAL from the server stays KV_INTERNAL."""
+    empty = grpc.aio.Metadata()
+    write = 'Failed "execute_batch": (<grpc._cython.cygrpc.SendMessageOperation object>,)'
+    lost = grpc.aio.AioRpcError(
+        grpc.StatusCode.INTERNAL, empty, empty, "Internal error from Core", write
+    )
+    assert map_rpc_error(lost).code is KVErrorCode.KV_UNAVAILABLE and map_rpc_error(lost).retryable
+    real = grpc.aio.AioRpcError(grpc.StatusCode.INTERNAL, empty, empty, "disk on fire", "")
+    assert map_rpc_error(real).code is KVErrorCode.KV_INTERNAL
