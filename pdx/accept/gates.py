@@ -17,6 +17,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import random
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,6 +49,11 @@ def silent_fallback(rows: list[dict[str, Any]]) -> dict[str, int] | None:
     ]
     silent = sum(1 for p in labelled if not decode_used_shipped_kv(p))
     return {"labelled_disaggregated": len(labelled), "silent_fallback": silent}
+
+
+def _engine_rows(rows: list[dict[str, Any]]) -> bool:
+    """The records come from a gateway in front of vLLM engines (``pdx.engine: vllm``)."""
+    return any(isinstance(r.get("pdx"), dict) and r["pdx"].get("engine") == "vllm" for r in rows)
 
 
 # --- overdue -----------------------------------------------------------------------------
@@ -235,7 +241,8 @@ async def replay(
     errors = 0
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
-        for r in candidates:
+        salt = secrets.token_hex(6)
+        for i, r in enumerate(candidates):
             body = {
                 **extra_body,
                 "prompt": r["prompt_ids"],
@@ -244,6 +251,10 @@ async def replay(
                 "stream": False,
                 "return_token_ids": True,
                 "pdx_route": "local",
+                # A salt of its own: a vLLM decode keeps the blocks it pulled for the original
+                # request in its prefix cache, and without one the replay would read them again
+                # instead of prefilling the prompt (no effect on pdx's own engine).
+                "cache_salt": f"pdx-replay-{salt}-{i}",
                 **({"model": model} if model else {}),
             }
             try:
@@ -315,7 +326,18 @@ async def collect(
     facts: dict[str, Any] = {}
     missing: list[str] = []
     fallback = silent_fallback(rows)
-    if fallback is None:
+    if fallback is not None and _engine_rows(rows):
+        # vLLM's route label is the gateway's own: "disaggregated" once decode, given the KV
+        # handle, emits a token. vLLM records per request neither the prompt tokens it took
+        # from the pulled KV nor a recompute after a failed pull (its counters are summed over
+        # requests, and count pulled tokens at admission, before a load can fail), so nothing
+        # tells a quiet recompute apart: not measured, rather than 0 by construction.
+        fallback = None
+        missing.append(
+            "silent_fallback_max: engine vllm: the route label is decode's first token; vLLM "
+            "keeps no per-request record of prompt KV taken versus recomputed"
+        )
+    elif fallback is None:
         missing.append("silent_fallback_max: the target reports no per-request pdx object")
     else:
         facts.update(fallback)

@@ -482,7 +482,9 @@ def gate_lines(report: Report) -> list[str]:
                 f"replay on the local route: {sm.get('replay_mismatches', 0)} of "
                 f"{sm['replayed']} greedy requests gave other tokens"
             )
-        if sm.get("kv_objects") is not None:
+        if sm.get("kv_objects") == 0:
+            parts.append("KV held after request end: no KV object entered the store")
+        elif sm.get("kv_objects") is not None:
             worst = sm.get("kv_stranded_worst") or {}
             parts.append(
                 f"KV held after request end: max {sm.get('kv_stranded_max_s', 0):.3f} s over "

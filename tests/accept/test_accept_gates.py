@@ -232,7 +232,10 @@ def test_lossy_codec_and_quiet_recompute_fail_their_gates(tmp_path: Path) -> Non
     assert idle["measured"] == pytest.approx(
         summary["burst_ttft_p99_ms"] / summary["steady_ttft_p99_ms"]
     )
-    assert idle["interval"][1] is not None and idle["method"].startswith("burst p99")
+    # The burst (a second of requests) is far below the 299 that bound a p99 from above: the
+    # gate can fail on its lower bound but never pass on it.
+    assert idle["interval"][1] is None and idle["method"].startswith("burst p99")
+    assert idle["result"] in ("fail", "indeterminate")
     md = next((tmp_path / "out").glob("*/report.md")).read_text()
     assert "## Gates: what the servers' own records show" in md and "after 2 s idle" in md
 
@@ -271,8 +274,10 @@ def test_killed_decode_strands_kv_and_a_silent_transfer_is_overdue(tmp_path: Pat
     late = _criterion(data, "overdue_requests_max", "s00")
     blackholed = data["steps"][0]["summary"]
     assert late["result"] == "fail" and blackholed["overdue"] > 0
-    # The requests that waited were still waiting when the step ended: recorded, not lost.
-    assert blackholed["unfinished"] > 0
+    # The requests that waited were still waiting when the step ended: the run waited for
+    # them up to their deadline + 2 x RTT, then recorded them, overdue, not lost.
+    assert blackholed["unfinished"] > 0 and blackholed["drain_s"] >= 2.0
+    assert blackholed["overdue"] >= blackholed["unfinished"]
     held = _criterion(data, "kv_stranded_max_s", "s01")
     assert held["result"] == "fail" and held["measured"] > 1
     s01 = data["steps"][1]

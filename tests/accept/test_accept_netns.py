@@ -24,7 +24,6 @@ pytestmark = [
 
 FAST = [
     f"target.netns.prefix={PREFIX}",
-    "matrix.duration_s=6",
     "validity.min_duration_s=4",
     "preflight.probe_duration_s=0.5",
     "preflight.probe_chunk_seconds=0.3",
@@ -97,4 +96,29 @@ def test_namespaces_removed_when_the_deploy_fails(tmp_path: Path) -> None:
     code, output, data = _run(tmp_path, ["target.deploy_set=[decode.count=0]"])
     assert code == 2, output
     assert "pdx deploy exited" in data["problems"][0] and not data["complete"]
+    assert _namespaces() == []
+
+
+def test_a_lossy_link_the_probe_rejects_makes_the_run_no_go(tmp_path: Path) -> None:
+    """5 % of the router hop's wire packets dropped: the step's own probe bounds the loss far
+    above the 0.1 % rule, so link_verdict fails and the run is NO-GO, though the pair itself
+    copes (its other criteria are left unjudged here)."""
+    unjudged = ("ttft_p50_ms", "tpot_p50_ms", "error_rate_max", "transfer_success_min",
+                "retry_rate_max", "degrade_rate_max", "silent_fallback_max",
+                "output_mismatch_max", "kv_stranded_max_s", "overdue_requests_max")  # fmt: skip
+    code, output, data = _run(
+        tmp_path,
+        [
+            "matrix.network=[normal]",
+            "conditions.normal.loss=0.05",
+            "preflight.probe_each_step=true",
+            "judgement.replay_requests=0",
+            *(f"criteria.{name}=null" for name in unjudged),
+        ],
+    )
+    assert code == 1 and data["verdict"] == "NO-GO", (output, data["problems"])
+    (link,) = [c for c in data["criteria"] if c["name"] == "link_verdict"]
+    assert link["result"] == "fail" and not link["advisory"] and "loss fail" in link["note"]
+    judged = [c for c in data["criteria"] if c["result"] != "not_measured"]
+    assert [c["name"] for c in judged if c["result"] == "fail"] == ["link_verdict"]
     assert _namespaces() == []

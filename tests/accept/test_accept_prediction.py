@@ -17,6 +17,7 @@ from pdx.accept.criteria import CriterionResult
 from pdx.accept.playbook import expand_steps, load_playbook
 from pdx.accept.prediction import compare, judge, sim_fields, simulate_step, step_workload
 from pdx.accept.report import (
+    SCHEMA_VERSION,
     Recommendation,
     Report,
     StepReport,
@@ -166,7 +167,7 @@ def test_a_schema_1_report_loads_with_its_list_as_what_to_change(tmp_path: Path)
     data.pop("what_to_change")
     (tmp_path / "report.json").write_text(json.dumps(data))
     r = load_report(tmp_path)
-    assert r.what_to_change == ["lower the load"] and r.schema_version == 2
+    assert r.what_to_change == ["lower the load"] and r.schema_version == SCHEMA_VERSION
     assert r.recommendations["codec"].value is None
 
 

@@ -36,6 +36,9 @@ def test_smoke_go_with_fault_step(tmp_path: Path) -> None:
     assert data["confidence"] == 0.95
     for c in data["criteria"]:
         assert c["result"] == "pass" and c["requests_needed"] is None, c
+        if c["name"] == "link_verdict":  # the probe's own rules, each bounded in its report
+            assert c["sample"] > 0 and c["method"].startswith("pdx probe-link rules"), c
+            continue
         assert c["interval"] is not None and c["sample"] > 0
         low, high = c["interval"]
         if c["method"].startswith(("order", "Clopper", "Garwood")):  # the whole interval clears
@@ -56,7 +59,13 @@ def test_smoke_go_with_fault_step(tmp_path: Path) -> None:
     assert fault["summary"]["degraded"] > 0 and fault["summary"]["failed"] == 0
     # KV whose transfer failed in the cut was released once the link was back, not at its TTL.
     assert 0 < fault["summary"]["kv_stranded_max_s"] <= 6 and fault["kv_stranded_byte_s"] > 0
-    assert normal["summary"]["replayed"] == 16 and normal["summary"]["replay_mismatches"] == 0
+    assert normal["summary"]["replayed"] == 300 and normal["summary"]["replay_mismatches"] == 0
+    # every threshold of 0 that passed bounds its rate to 1 % or less (judgement.zero_rate_bound)
+    for c in data["criteria"]:
+        if c["threshold"] == 0 and c["unit"] == "fraction":
+            assert c["rate_bound"] is not None and c["rate_bound"] <= 0.01, c
+    assert {c["name"] for c in data["criteria"] if c["result"] == "not_measured"} == set()
+    assert all(s["summary"]["drain_s"] <= s["summary"]["drain_limit_s"] + 5 for s in data["steps"])
     assert any(k.startswith("pdx_gateway_degradations_total") for k in fault["metrics_delta"])
     assert any(s.startswith("fault-") for s in data["plots"])
     md = next(tmp_path.glob("*/report.md")).read_text()

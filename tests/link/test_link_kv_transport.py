@@ -196,8 +196,10 @@ def test_cli_sweeps_over_the_kv_store(
         str(certs),
         "--json",
     )
-    assert code == 0, err
+    # A chunk sweep alone judges nothing (no loss, RTT or KV rule measured): INCONCLUSIVE.
+    assert code == 3, err
     report = json.loads(out)
+    assert report["verdict"]["result"] == "INCONCLUSIVE" and report["verdict"]["go"] is False
     assert report["chunk_transport"] == "grpc"
     assert [c["chunk_bytes"] for c in report["chunks"]] == [64 * KIB, 1 * MIB]
     for c in report["chunks"]:

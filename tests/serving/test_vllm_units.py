@@ -159,6 +159,8 @@ def test_sampling_parameters_pass_through_in_vllm_names() -> None:
     assert body["logprobs"] == 2 and body["return_tokens_as_token_ids"] is True
     assert 0 <= body["seed"] < 2**63 and body["max_tokens"] == 4
     assert "logprobs" not in sampling_body(_req(), 1)
+    assert "cache_salt" not in sampling_body(_req(), 1)
+    assert sampling_body(_req(cache_salt="r1"), 1)["cache_salt"] == "r1"
 
 
 def test_stream_events_parse() -> None:

@@ -72,6 +72,9 @@ def engine_counters(text: str) -> dict[str, Any]:
         "p2p_cached_tokens": sample_sum(
             text, "vllm:prompt_tokens_cached_by_source_total", source="p2p"
         ),
+        "device_cached_tokens": sample_sum(
+            text, "vllm:prompt_tokens_cached_by_source_total", source="device"
+        ),
         "external_prefix_cache_hits": sample_sum(text, "vllm:external_prefix_cache_hits_total"),
         "nixl_bytes_transferred": sample_sum(text, "vllm:nixl_bytes_transferred_sum"),
         "nixl_transfers": sample_sum(text, "vllm:nixl_bytes_transferred_count"),

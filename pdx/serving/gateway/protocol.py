@@ -144,6 +144,11 @@ class SamplingFields(BaseModel):
         None, description="force a path (default auto)"
     )
     pdx_kv_codec: str | None = Field(None, description="KV codec for this request")
+    cache_salt: str | None = Field(
+        None, min_length=1, max_length=256,
+        description="(vLLM) prefix-cache salt: requests with different salts share no cached KV "
+        "(pdx's own engine keeps no prefix cache)",
+    )  # fmt: skip
     # Accepted, no effect on the output (see IGNORED_FIELDS).
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -518,6 +523,7 @@ class CompletionRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     prompt_text: str = ""  # for echo
+    cache_salt: str = ""  # passed to vLLM engines; "" = none
 
 
 @dataclass
@@ -616,6 +622,7 @@ def resolve(
         include_usage=bool(opts and opts.include_usage),
         continuous_usage=bool(opts and opts.continuous_usage_stats),
         prompt_text=prompt_text,
+        cache_salt=body.cache_salt or "",
     )
 
 
