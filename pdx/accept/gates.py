@@ -186,10 +186,14 @@ def idle_burst(rows: list[dict[str, Any]], t0_s: float, burst_s: float) -> dict[
     """TTFTs of the burst (sent within ``burst_s`` of the step start) and of the steady rest.
 
     The steady part starts one burst length after the burst, so the burst's tail is not in it.
+    The burst is timed from the first request sent (``t0_s`` at the earliest): a load generator
+    slow to start only lengthens the idle gap, it does not empty the burst.
     """
+    sent = [r["t_intended_s"] for r in rows if r.get("t_intended_s") is not None]
+    start = max(t0_s, min(sent, default=t0_s))
     ok = [r for r in rows if r.get("ok") and r.get("ttft_ms") is not None]
-    burst = [r["ttft_ms"] for r in ok if r["t_intended_s"] - t0_s < burst_s]
-    steady = [r["ttft_ms"] for r in ok if r["t_intended_s"] - t0_s >= 2 * burst_s]
+    burst = [r["ttft_ms"] for r in ok if r["t_intended_s"] - start < burst_s]
+    steady = [r["ttft_ms"] for r in ok if r["t_intended_s"] - start >= 2 * burst_s]
     if not burst or not steady:
         return None
     return {
@@ -326,13 +330,12 @@ async def collect(
     facts: dict[str, Any] = {}
     missing: list[str] = []
     fallback = silent_fallback(rows)
-    if fallback is not None and _engine_rows(rows):
+    if _engine_rows(rows):
         # vLLM's route label is the gateway's own: "disaggregated" once decode, given the KV
         # handle, emits a token. vLLM records per request neither the prompt tokens it took
         # from the pulled KV nor a recompute after a failed pull (its counters are summed over
         # requests, and count pulled tokens at admission, before a load can fail), so nothing
         # tells a quiet recompute apart: not measured, rather than 0 by construction.
-        fallback = None
         missing.append(
             "silent_fallback_max: engine vllm: the route label is decode's first token; vLLM "
             "keeps no per-request record of prompt KV taken versus recomputed"

@@ -72,8 +72,8 @@ FORMULAS: dict[str, str] = {
     "2 × RTT p99 (answered late or never) / requests judged (those cut off by the end of the "
     "load before that limit are not judged)",
     "idle_ttft_ratio": "idle-gap steps: TTFT p99 of the requests sent in the first "
-    "judgement.idle_burst_s after the gap (as observed) / TTFT p99 of those sent from "
-    "2 × idle_burst_s on (with order-statistic bounds)",
+    "judgement.idle_burst_s after the gap (from the first request sent) / TTFT p99 of those "
+    "sent from 2 × idle_burst_s on, each side bounded by its own order statistics",
 }
 
 # The same latency quantity under the names other tools give it (their names collide).

@@ -137,7 +137,6 @@ def _lost_status(exc: grpc.aio.AioRpcError) -> bool:
 
 def map_rpc_error(exc: grpc.aio.AioRpcError, kv_id: str = "") -> KVError:
     """The one mapping from a gRPC failure to a contract error (metadata first, status second)."""
-    meta = {k: v for k, v in (exc.trailing_metadata() or ())}
     if _lost_status(exc):
         # grpc.aio (grpc/grpc#36066): when a server ends a client stream (a refused Put)
         # while a write is in flight, the failed write replaces the server's status with
@@ -145,6 +144,7 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, kv_id: str = "") -> KVError:
         # retry (under the budget) hears the server's own code.
         return KVError(KVErrorCode.KV_UNAVAILABLE, "stream closed during a write; status lost",
                        kv_id=kv_id)  # fmt: skip
+    meta = {k: v for k, v in (exc.trailing_metadata() or ())}
     name = meta.get(ERROR_METADATA_KEY)
     if isinstance(name, str) and name in KVErrorCode.__members__:
         code = KVErrorCode(name)

@@ -85,6 +85,9 @@ def test_idle_burst_against_the_steady_rest() -> None:
     assert got is not None
     assert got["burst_requests"] == 10 and got["steady_requests"] == 40
     assert got["idle_ttft_ratio"] == pytest.approx(got["burst_ttft_p99_ms"] / 10.0)
+    # a load generator that sent its first request 3 s late: the burst starts there
+    late = [{**r, "t_intended_s": r["t_intended_s"] + 3.0} for r in rows]
+    assert idle_burst(late, 100.0, burst_s=1.0) == got
 
 
 def _report(values: list[tuple[float, tuple[float, float]]]) -> list[Report]:

@@ -238,7 +238,7 @@ def sampling_body(req: Any, seed: int) -> dict[str, Any]:
     if req.logprobs is not None:
         body["logprobs"] = req.logprobs
         body["return_tokens_as_token_ids"] = True  # alternatives named by id, not text
-    if getattr(req, "cache_salt", ""):
+    if req.cache_salt:
         body["cache_salt"] = req.cache_salt
     return body
 
