@@ -31,7 +31,8 @@ def test_vllm_pd_playbook(tmp_path: Path) -> None:
     data = json.loads(path.read_text())
     Report.model_validate(data)
     failed = [c for c in data["criteria"] if c["result"] == "fail"]
-    assert data["valid"] and data["complete"] and not failed, (failed, data["recommendations"])
+    reasons_seen = [st["summary"]["degrade_reasons"] for st in data["steps"]]
+    assert data["valid"] and data["complete"] and not failed, (failed, reasons_seen)
     assert result.exit_code == {"GO": 0, "INCONCLUSIVE": 3}[data["verdict"]]
     assert data["preflight"]["measure_kv"]["result"]["engine"] == "vllm"
     normal, killed = data["steps"]
