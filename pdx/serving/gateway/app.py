@@ -20,6 +20,7 @@ from prometheus_client import generate_latest
 from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.serving.backends.tokenizer import Tokenizer
 from pdx.serving.deploy_config import DeployConfig, GatewayConfig, local_prefill_threshold
+from pdx.serving.gateway.context import FlowContext
 from pdx.serving.gateway.flow import Flow
 from pdx.serving.gateway.metrics import GatewayMetrics
 from pdx.serving.gateway.openapi import openapi_document
@@ -107,11 +108,18 @@ class Gateway:
         self.vocab_size: int | None = None  # learnt from decode's Status
         self.threshold_for = threshold_for  # measured prefill TFLOP/s → local-prefill threshold
         self.created = created_now()
+        self.ctx = self.flow_context()
         self._channels: list[grpc.aio.Channel] = []
         self._poller: asyncio.Task[None] | None = None
         self._runner: web.AppRunner | None = None
         self._openapi: dict[str, Any] | None = None
         self.port = 0
+
+    def flow_context(self) -> FlowContext:
+        """What every flow of this gateway may use of it."""
+        return FlowContext(cfg=self.cfg, router=self.router, tokenizer=self.tokenizer,
+                           metrics=self.metrics, synthetic=self.synthetic,
+                           kv_route=self.kv_route)  # fmt: skip
 
     # --- lifecycle -----------------------------------------------------------------
 
@@ -297,7 +305,7 @@ class Gateway:
                     "overloaded",
                     headers={"Retry-After": str(self.cfg.retry_after_s)},
                 )
-            flows.append(self.flow_factory(self, req, decision, request_id=rid, index=index))
+            flows.append(self.flow_factory(self.ctx, req, decision, request_id=rid, index=index))
         created = created_now()
         if req.stream:
             return await self._stream(request, req, flows, rid, created)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from collections.abc import Callable
-from dataclasses import dataclass
 from functools import lru_cache
 from typing import Any
 
@@ -26,7 +25,7 @@ from pdx.serving.engines.client import EngineClient
 from pdx.serving.engines.metrics import merge, sample_sum
 from pdx.serving.engines.vllm import VLLMEngines
 from pdx.serving.gateway.app import Gateway
-from pdx.serving.gateway.engine_flow import EngineFlow
+from pdx.serving.gateway.engine_flow import EngineFlow, EngineFlowContext, EngineSettings
 from pdx.serving.router import DecodeInstance, PrefillInstance, Router
 from pdx.transfer.retry import GlobalRetryBudget
 
@@ -34,28 +33,18 @@ KV_SCALE = 1_000_000  # decode's KV use is a fraction; the router's score wants 
 METRICS_EVERY = 8  # KV cache use is read from /metrics every this many health polls
 
 
-@dataclass(frozen=True)
-class EngineSettings:
-    """What the gateway needs to know about the engines beyond addresses."""
-
-    served_model: str  # the name the instances serve (``--served-model-name``)
-    prefill_timeout_s: float
-    retry_budget: int  # more prefill instances tried per request
-    kv_load_timeout_s: float  # decode given KV: longest wait for its first token
-    kv_bytes_for: Callable[[int], int]  # prompt tokens → bytes of the blocks decode pulls
-
-
 class EngineGateway(Gateway):
     """The gateway with vLLM prefill and decode instances behind it."""
 
     flow_factory = EngineFlow
+    ctx: EngineFlowContext
 
     def __init__(self, *args: Any, engine: EngineSettings, vocab_size: int | None = None,
                  **kwargs: Any) -> None:  # fmt: skip
-        super().__init__(*args, **kwargs)
         self.engine = engine
-        self.vocab_size = vocab_size
         self.retry_budget = GlobalRetryBudget()
+        super().__init__(*args, **kwargs)
+        self.vocab_size = vocab_size
         self.session: aiohttp.ClientSession | None = None
         self._client: EngineClient | None = None
         self._polls = 0
@@ -71,6 +60,12 @@ class EngineGateway(Gateway):
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=256, keepalive_timeout=30)
         self.session = aiohttp.ClientSession(connector=connector)
         self._client = EngineClient(self.session, self.engine.served_model)
+        self.ctx.http = self._client
+
+    def flow_context(self) -> EngineFlowContext:
+        """The shared state plus the engines' settings, retry budget and client."""
+        base = super().flow_context()
+        return EngineFlowContext(**vars(base), engine=self.engine, retry_budget=self.retry_budget)
 
     async def stop(self) -> None:
         """Stop serving, then close the HTTP session."""

@@ -21,25 +21,52 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncGenerator
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass
+from typing import Any
 
 from pdx._proto import serving_pb2
 from pdx.serving.engines.client import (
+    EngineClient,
     EngineHTTPError,
     EngineUnreachable,
     PrefillResult,
     sampling_body,
     token_logprobs,
 )
+from pdx.serving.gateway.context import FlowContext
 from pdx.serving.gateway.flow import Flow
 from pdx.serving.gateway.protocol import HTTPProblem
 from pdx.serving.router import PrefillInstance
-
-if TYPE_CHECKING:
-    from pdx.serving.gateway.engine_app import EngineGateway
+from pdx.transfer.retry import GlobalRetryBudget
 
 _SEED_STEP = 0x9E3779B97F4A7C15  # the same per-choice seed spacing as pdx's own pair
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """What the gateway needs to know about the engines beyond addresses."""
+
+    served_model: str  # the name the instances serve (``--served-model-name``)
+    prefill_timeout_s: float
+    retry_budget: int  # more prefill instances tried per request
+    kv_load_timeout_s: float  # decode given KV: longest wait for its first token
+    kv_bytes_for: Callable[[int], int]  # prompt tokens → bytes of the blocks decode pulls
+
+
+@dataclass(kw_only=True)
+class EngineFlowContext(FlowContext):
+    """A flow's view of the engine gateway: the shared state plus the engines' client."""
+
+    engine: EngineSettings
+    retry_budget: GlobalRetryBudget
+    http: EngineClient | None = None  # set when the gateway connects
+
+    @property
+    def client(self) -> EngineClient:
+        """The HTTP client to the instances (once the gateway connected)."""
+        assert self.http is not None, "the gateway is not connected"
+        return self.http
 
 
 class _KVLoadFailed(Exception):
@@ -49,7 +76,7 @@ class _KVLoadFailed(Exception):
 class EngineFlow(Flow):
     """A choice served by vLLM instances."""
 
-    gw: EngineGateway
+    ctx: EngineFlowContext
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -61,7 +88,7 @@ class EngineFlow(Flow):
 
     async def events(self) -> AsyncGenerator[int, None]:
         """Generated tokens in order; raises HTTPProblem on failure."""
-        m = self.gw.metrics
+        m = self.ctx.metrics
         m.waiting.inc()
         outcome_label = "error"
         try:
@@ -90,19 +117,19 @@ class EngineFlow(Flow):
 
     async def _remote_prefill(self, first: PrefillInstance) -> dict[str, Any] | None:
         """kv_transfer_params from a prefill instance, or None (degraded, reason recorded)."""
-        gw, tried = self.gw, []
+        ctx, tried = self.ctx, []
         p: PrefillInstance | None = first
         while p is not None:
             tried.append(p.name)
             reason = await self._prefill_once(p, len(tried))
             if reason is None:
                 return self.prefill_result.kv_transfer_params if self.prefill_result else None
-            others = [q for q in gw.router.prefills if q.healthy and q.name not in tried]
+            others = [q for q in ctx.router.prefills if q.healthy and q.name not in tried]
             p = min(others, key=lambda q: q.in_flight) if others else None
             if (
                 p is None
-                or self.retries >= gw.engine.retry_budget
-                or not gw.retry_budget.try_retry()
+                or self.retries >= ctx.engine.retry_budget
+                or not ctx.retry_budget.try_retry()
             ):
                 self._degrade_to_local(reason)
                 return None
@@ -111,24 +138,24 @@ class EngineFlow(Flow):
 
     async def _prefill_once(self, p: PrefillInstance, attempt: int) -> str | None:
         """One prefill call; None on success, else the degrade reason."""
-        gw = self.gw
+        ctx = self.ctx
         p.in_flight += 1
         t0 = time.perf_counter()
         try:
-            self.prefill_result = await gw.client.prefill(
+            self.prefill_result = await ctx.client.prefill(
                 p.address, self.req.prompt_ids, request_id=self._rid(f"p{attempt}"),
-                timeout_s=gw.engine.prefill_timeout_s,
+                timeout_s=ctx.engine.prefill_timeout_s,
             )  # fmt: skip
         except EngineHTTPError as exc:
             if exc.status in (400, 413, 422):
                 raise HTTPProblem(
                     400, f"prefill {p.name}: {exc.message}", "invalid_value"
                 ) from None
-            gw.router.breaker.record(False, (time.perf_counter() - t0) * 1e3)
+            ctx.router.breaker.record(False, (time.perf_counter() - t0) * 1e3)
             return "prefill_overloaded" if exc.status in (429, 503) else "prefill_failed"
         except EngineUnreachable as exc:
             p.healthy = False  # until its next good health poll
-            gw.router.breaker.record(False, (time.perf_counter() - t0) * 1e3)
+            ctx.router.breaker.record(False, (time.perf_counter() - t0) * 1e3)
             timed_out = "TimeoutError" in str(exc) or "Timeout" in str(exc)
             return "prefill_timeout" if timed_out else "prefill_unavailable"
         finally:
@@ -156,7 +183,7 @@ class EngineFlow(Flow):
                 return
             except _KVLoadFailed as exc:
                 self.transfer_outcome = "kv_load_failed"
-                self.gw.router.breaker.record(False, self.kv_ready_ms or 0.0)
+                self.ctx.router.breaker.record(False, self.kv_ready_ms or 0.0)
                 self._degrade_to_local(f"kv_load_failed:{exc}"[:120])
                 self.retries += 1
         async with contextlib.aclosing(self._stream(self._body(None), False)) as s:
@@ -164,12 +191,12 @@ class EngineFlow(Flow):
                 yield token
 
     async def _stream(self, body: dict[str, Any], with_kv: bool) -> AsyncGenerator[int, None]:
-        d, gw = self.decision.decode, self.gw
+        d, ctx = self.decision.decode, self.ctx
         sent = time.perf_counter()
         started = False
         # Given KV, decode must start within kv_load_timeout_s: a pull that hangs is abandoned
         # (closing the stream aborts it in vLLM) and the prompt recomputed without the KV.
-        first_by = asyncio.timeout(gw.engine.kv_load_timeout_s if with_kv else None)
+        first_by = asyncio.timeout(ctx.engine.kv_load_timeout_s if with_kv else None)
         try:
             async with first_by:
                 async for token in self._chunks(body, sent, first_by):
@@ -180,7 +207,7 @@ class EngineFlow(Flow):
         except TimeoutError:
             if started:
                 raise
-            raise _KVLoadFailed(f"no first token in {gw.engine.kv_load_timeout_s:g} s") from None
+            raise _KVLoadFailed(f"no first token in {ctx.engine.kv_load_timeout_s:g} s") from None
         except EngineHTTPError as exc:
             raise self._engine_problem(exc, started, with_kv) from None
         except EngineUnreachable as exc:
@@ -199,11 +226,11 @@ class EngineFlow(Flow):
         self, body: dict[str, Any], sent: float, first_by: asyncio.Timeout
     ) -> AsyncGenerator[int, None]:
         """Tokens of one decode stream, recorded as they arrive."""
-        d, gw = self.decision.decode, self.gw
+        d, ctx = self.decision.decode, self.ctx
         with_kv = "kv_transfer_params" in body
         started = False
         async with contextlib.aclosing(
-            gw.client.stream(d.address, body, timeout_s=gw.cfg.request_timeout_s)
+            ctx.client.stream(d.address, body, timeout_s=ctx.cfg.request_timeout_s)
         ) as chunks:
             async for chunk in chunks:
                 if not started and chunk.token_ids:
@@ -229,9 +256,10 @@ class EngineFlow(Flow):
         if not started and exc.status in (400, 413, 422):
             return HTTPProblem(400, f"decode {d.name}: {exc.message}", "invalid_value")
         if not started and exc.status in (429, 503):
-            self.gw.metrics.rejections.labels("decode_full").inc()
+            self.ctx.metrics.rejections.labels("decode_full").inc()
+            retry_after = {"Retry-After": str(self.ctx.cfg.retry_after_s)}
             return HTTPProblem(429, f"decode {d.name}: {exc.message}", "overloaded",
-                               headers={"Retry-After": str(self.gw.cfg.retry_after_s)})  # fmt: skip
+                               headers=retry_after)  # fmt: skip
         if not started and with_kv:
             return _KVLoadFailed(f"HTTP {exc.status}")
         where = f"after {len(self.outcome.tokens)} tokens" if started else "before the first token"
@@ -240,7 +268,7 @@ class EngineFlow(Flow):
     # --- the end -------------------------------------------------------------------------
 
     def _finish_engine(self) -> None:
-        m, gw = self.gw.metrics, self.gw
+        m, ctx = self.ctx.metrics, self.ctx
         self.outcome.finish_reason = self.outcome.finish_reason or "stop"
         reason = self.decision.degrade_reason
         degraded = bool(reason)
@@ -248,13 +276,13 @@ class EngineFlow(Flow):
             m.degradations.labels(reason.split(":")[0]).inc()
         pr = self.prefill_result if self.transfer_outcome else None
         kv_bytes = (
-            gw.engine.kv_bytes_for(pr.remote_tokens) if pr and self.transfer_outcome == "ok" else 0
+            ctx.engine.kv_bytes_for(pr.remote_tokens) if pr and self.transfer_outcome == "ok" else 0
         )
         if self.transfer_outcome:
             ok = self.transfer_outcome == "ok"
             m.transfer_outcomes.labels(self.transfer_outcome).inc()
             if ok:
-                gw.router.breaker.record(True, pr.elapsed_ms if pr else 0.0)
+                ctx.router.breaker.record(True, pr.elapsed_ms if pr else 0.0)
                 m.transfer.observe((self.kv_ready_ms or 0.0) / 1e3)
                 m.kv_bytes.inc(kv_bytes)
         m.retries.inc(self.retries)

@@ -13,17 +13,15 @@ import secrets
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 
 from pdx._proto import serving_pb2
 from pdx.serving.backends.tokenizer import Tokenizer
+from pdx.serving.gateway.context import FlowContext
 from pdx.serving.gateway.protocol import CompletionRequest, HTTPProblem
 from pdx.serving.router import Decision, PrefillInstance
-
-if TYPE_CHECKING:
-    from pdx.serving.gateway.app import Gateway
 
 MARKS = ("prefill_first_event", "prefill_stored_event", "decode_first_chunk",
          "first_to_second_token")  # fmt: skip
@@ -83,18 +81,18 @@ class Flow:
 
     def __init__(
         self,
-        gw: Gateway,
+        ctx: FlowContext,
         req: CompletionRequest,
         decision: Decision,
         *,
         request_id: str = "",
         index: int = 0,
     ) -> None:
-        self.gw, self.req, self.decision = gw, req, decision
+        self.ctx, self.req, self.decision = ctx, req, decision
         self.id = request_id or f"cmpl-{secrets.token_hex(12)}"
         self.index = index
         self.outcome = Outcome()
-        self.text = TextTracker(gw.tokenizer, req.stop, req.min_tokens)
+        self.text = TextTracker(ctx.tokenizer, req.stop, req.min_tokens)
         self.t0 = time.perf_counter()
         self.ttft_s: float | None = None
         self.last_token_s = 0.0
@@ -109,7 +107,7 @@ class Flow:
         # The decode slot is taken now, so that requests routed in the same instant see it.
         self._reserved = True
         decision.decode.in_flight += 1
-        gw.metrics.in_flight.labels(decision.decode.name).set(decision.decode.in_flight)
+        ctx.metrics.in_flight.labels(decision.decode.name).set(decision.decode.in_flight)
 
     def release(self) -> None:
         """Give the decode slot back (once; also for a flow that never ran)."""
@@ -117,7 +115,7 @@ class Flow:
             self._reserved = False
             d = self.decision.decode
             d.in_flight -= 1
-            self.gw.metrics.in_flight.labels(d.name).set(d.in_flight)
+            self.ctx.metrics.in_flight.labels(d.name).set(d.in_flight)
 
     async def collect(self) -> Outcome:
         """Run to completion (non-streaming)."""
@@ -127,7 +125,7 @@ class Flow:
 
     async def events(self) -> AsyncGenerator[int, None]:
         """Generated tokens in order; raises HTTPProblem on failure."""
-        m = self.gw.metrics
+        m = self.ctx.metrics
         m.waiting.inc()
         outcome_label = "error"
         try:
@@ -192,7 +190,7 @@ class Flow:
         )  # fmt: skip
         p.in_flight += 1
         sent = time.perf_counter()
-        call = p.stub.PrefillStream(request, timeout=self.gw.cfg.request_timeout_s)
+        call = p.stub.PrefillStream(request, timeout=self.ctx.cfg.request_timeout_s)
         try:
             async for event in call:
                 if event.HasField("opened"):
@@ -212,7 +210,7 @@ class Flow:
                     self.marks["prefill_stored_event"] = time.perf_counter() - sent
                     self.prefill_reply = stored = event.stored
                     gen.kv_id = stored.kv_id
-                    gen.kv_endpoint = self.gw.kv_route.get(stored.kv_endpoint, stored.kv_endpoint)
+                    gen.kv_endpoint = self.ctx.kv_route.get(stored.kv_endpoint, stored.kv_endpoint)
         except grpc.aio.AioRpcError as exc:
             if self._early is not None and gen.has_first_token:
                 pass  # decode reads the streamed object: it sees the failure (KV_INCOMPLETE)
@@ -233,13 +231,13 @@ class Flow:
         """Streamed KV: start decode now; its Get reads the object while prefill writes it
         and the first token comes from the object's tail."""
         gen.kv_id = opened.kv_id
-        gen.kv_endpoint = self.gw.kv_route.get(opened.kv_endpoint, opened.kv_endpoint)
+        gen.kv_endpoint = self.ctx.kv_route.get(opened.kv_endpoint, opened.kv_endpoint)
         early = serving_pb2.GenerateRequest()
         early.CopyFrom(gen)
         early.first_token_in_kv = True
         self._early_sent = time.perf_counter()
         self._early = self.decision.decode.stub.Generate(
-            early, timeout=self.gw.cfg.request_timeout_s
+            early, timeout=self.ctx.cfg.request_timeout_s
         )
 
     def _cancel_early(self, gen: serving_pb2.GenerateRequest) -> None:
@@ -267,7 +265,7 @@ class Flow:
         if call is not None:  # streamed KV: started at prefill's opened event
             sent = self._early_sent
         else:
-            call = d.stub.Generate(gen, timeout=self.gw.cfg.request_timeout_s)
+            call = d.stub.Generate(gen, timeout=self.ctx.cfg.request_timeout_s)
         # Prefill's first token went out already; decode echoes it first, skipped here.
         skip = 1 if gen.has_first_token else 0
         try:
@@ -294,10 +292,10 @@ class Flow:
     def _decode_problem(self, exc: grpc.aio.AioRpcError, started: bool) -> HTTPProblem:
         d, code = self.decision.decode, exc.code()
         if code == grpc.StatusCode.RESOURCE_EXHAUSTED and not started:
-            self.gw.metrics.rejections.labels("decode_full").inc()
+            self.ctx.metrics.rejections.labels("decode_full").inc()
             return HTTPProblem(
                 429, f"decode {d.name}: {exc.details()}", "overloaded",
-                headers={"Retry-After": str(self.gw.cfg.retry_after_s)},
+                headers={"Retry-After": str(self.ctx.cfg.retry_after_s)},
             )  # fmt: skip
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             return HTTPProblem(400, exc.details() or "bad request", "invalid_value")
@@ -314,7 +312,7 @@ class Flow:
 
     def _token(self, token: int, logprob: serving_pb2.TokenLogprob | None = None) -> None:
         now = time.perf_counter()
-        m = self.gw.metrics
+        m = self.ctx.metrics
         if self.ttft_s is None:
             self.ttft_s = now - self.t0
             m.waiting.dec()
@@ -331,7 +329,7 @@ class Flow:
             self.outcome.finish_reason = "stop"
 
     def _finish(self, chunk: serving_pb2.GenerateChunk) -> None:
-        st, m = chunk.stats, self.gw.metrics
+        st, m = chunk.stats, self.ctx.metrics
         self.outcome.finish_reason = self.outcome.finish_reason or chunk.finish_reason
         degraded = st.degraded or bool(self.decision.degrade_reason)
         reason = st.degrade_reason or self.decision.degrade_reason
@@ -340,7 +338,7 @@ class Flow:
         if st.transfer_outcome:
             ok = st.transfer_outcome == "ok"
             m.transfer_outcomes.labels(st.transfer_outcome).inc()
-            self.gw.router.breaker.record(ok, st.transfer_ms)
+            self.ctx.router.breaker.record(ok, st.transfer_ms)
             if ok:
                 m.transfer.observe(st.transfer_ms / 1e3)
                 m.kv_bytes.inc(st.kv_bytes)
@@ -364,7 +362,7 @@ class Flow:
         return {
             "route": route,
             "requested_route": self.req.route,
-            "synthetic": self.gw.synthetic,
+            "synthetic": self.ctx.synthetic,
             "degraded": degraded,
             "degrade_reason": reason or None,
             "kv_bytes": st.kv_bytes,
