@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -15,7 +16,6 @@ from pdx.errors import InputError, MeasurementError
 
 if TYPE_CHECKING:
     from pdx.accept.netns_target import Topology
-    from pdx.accept.run import AcceptRun
 
 
 @dataclass
@@ -59,17 +59,26 @@ async def _endpoints(out_path: Path, proc: Any, timeout_s: float) -> dict[str, A
 
 
 async def start_deploy(
-    run: AcceptRun, target: Target, *, needs_proxy: bool, topology: Topology | None = None
+    target: Target,
+    *,
+    playbook_dir: Path,
+    raw_dir: Path,
+    needs_proxy: bool,
+    on_process: Callable[[DeployProcess], None],
+    topology: Topology | None = None,
 ) -> StartedDeploy:
     """Start ``pdx deploy`` (ephemeral gateway port), read its endpoints, wait for readiness.
 
-    With network conditions to apply, ``kv.via_proxy=true`` makes the deploy put a fault proxy
-    on every prefill's KV endpoint; pdx drives it through the proxy's control API. With a
-    namespace ``topology`` the deploy runs in the decode site and prefill in the prefill site.
+    Relative deploy paths are read from ``playbook_dir``; the deploy's log and endpoints JSON
+    go to ``raw_dir``. ``on_process`` gets the process before it starts, so the caller can
+    stop it whatever happens next. With network conditions to apply, ``kv.via_proxy=true``
+    makes the deploy put a fault proxy on every prefill's KV endpoint; pdx drives it through
+    the proxy's control API. With a namespace ``topology`` the deploy runs in the decode site
+    and prefill in the prefill site.
     """
     from pdx.faults.client import ControlClient
 
-    args = [*deploy_args(target, run.playbook_dir, 0), "--json"]
+    args = [*deploy_args(target, playbook_dir, 0), "--json"]
     prefix: list[str] = []
     if topology is not None:
         for item in topology.deploy_overrides(via_proxy=needs_proxy):
@@ -77,9 +86,9 @@ async def start_deploy(
         prefix = topology.command_prefix()
     elif needs_proxy:
         args += ["--set", "kv.via_proxy=true"]
-    out_path = run.raw_dir / "deploy-endpoints.json"
-    proc = DeployProcess(args, run.raw_dir / "deploy.log", stdout_path=out_path, prefix=prefix)
-    run.deploy = proc
+    out_path = raw_dir / "deploy-endpoints.json"
+    proc = DeployProcess(args, raw_dir / "deploy.log", stdout_path=out_path, prefix=prefix)
+    on_process(proc)
     popen = await proc.start()
     endpoints = await _endpoints(out_path, popen, target.ready_timeout_s)
     url = str(endpoints["gateway"]).rstrip("/")

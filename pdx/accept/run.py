@@ -160,7 +160,18 @@ class AcceptRun:
 
         topology = await self._start_topology() if t.netns.enabled else None
         t = self._with_audit(t)
-        started = await start_deploy(self, t, needs_proxy=self._needs_proxy(), topology=topology)
+
+        def keep(proc: DeployProcess) -> None:
+            self.deploy = proc
+
+        started = await start_deploy(
+            t,
+            playbook_dir=self.playbook_dir,
+            raw_dir=self.raw_dir,
+            needs_proxy=self._needs_proxy(),
+            on_process=keep,
+            topology=topology,
+        )
         self.deploy, self.url = started.process, started.url
         if started.proxy is not None:
             self.link = ProxyLink(started.proxy, kernel_shaping=t.netns.enabled)

@@ -16,13 +16,11 @@ import os
 import random
 import socket
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from pdx.faults import toxics as tx
+from pdx.faults.metrics import ProxyMetrics
 from pdx.faults.sockio import SockIO
-
-if TYPE_CHECKING:
-    from pdx.faults.proxy import FaultProxy
 
 QUEUE_HIGH_BYTES = 8 * 1024 * 1024
 QUEUE_LOW_BYTES = 6 * 1024 * 1024
@@ -67,6 +65,41 @@ def os_reason(exc: OSError) -> str:
     if exc.errno:
         return os.strerror(exc.errno)
     return exc.strerror or str(exc)
+
+
+class ProxyHooks(Protocol):
+    """What the TCP and UDP forwarding code uses of its proxy (a ``FaultProxy`` provides it)."""
+
+    @property
+    def metrics(self) -> ProxyMetrics:
+        """The proxy's counters."""
+
+    @property
+    def upstream(self) -> tuple[str, int]:
+        """Where traffic is forwarded."""
+
+    @property
+    def upstream_errors(self) -> list[str]:
+        """Failed upstream connects, appended to as they happen."""
+
+    @property
+    def link_blocked(self) -> bool:
+        """The link is down: nothing is forwarded."""
+
+    @property
+    def link_refusing(self) -> bool:
+        """The link is down in ``reset`` mode: new connections are reset at once."""
+
+    @property
+    def link_clear(self) -> asyncio.Event:
+        """Set while the link is up."""
+
+    @property
+    def connections(self) -> set[TcpConnection]:
+        """Open TCP connections; each adds itself on start and removes itself when closed."""
+
+    def attach_toxics(self, conn: TcpConnection) -> None:
+        """Give a new connection every current toxic."""
 
 
 class ToxicState:
@@ -375,7 +408,7 @@ class Pipe:
 class TcpConnection:
     """A client connection and its upstream connection, joined by two pipes."""
 
-    def __init__(self, proxy: FaultProxy) -> None:
+    def __init__(self, proxy: ProxyHooks) -> None:
         self.proxy = proxy
         self.loop = asyncio.get_running_loop()
         self.up = Pipe(self, "upstream")

@@ -11,13 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pdx.faults import toxics as tx
-from pdx.faults.tcp import ToxicState, flip_bytes, jitter_sample, os_reason
-
-if TYPE_CHECKING:
-    from pdx.faults.proxy import FaultProxy
+from pdx.faults.tcp import ProxyHooks, ToxicState, flip_bytes, jitter_sample, os_reason
 
 Addr = tuple[Any, ...]
 
@@ -82,7 +79,7 @@ class UdpToxicState(ToxicState):
 class UdpDirection:
     """The toxic chain for one direction of UDP traffic."""
 
-    def __init__(self, proxy: FaultProxy, direction: str) -> None:
+    def __init__(self, proxy: ProxyHooks, direction: str) -> None:
         self.proxy = proxy
         self.direction = direction
         self.loop = asyncio.get_running_loop()
@@ -205,7 +202,7 @@ class _SessionProtocol(asyncio.DatagramProtocol):
 class UdpRelay:
     """The UDP side of a :class:`~pdx.faults.proxy.FaultProxy`."""
 
-    def __init__(self, proxy: FaultProxy) -> None:
+    def __init__(self, proxy: ProxyHooks) -> None:
         self.proxy = proxy
         self.loop = asyncio.get_running_loop()
         self.up = UdpDirection(proxy, "upstream")
