@@ -23,7 +23,7 @@ _ROW = re.compile(r"^(?P<type>\S+)?\s+(?P<name>\S+)\s+(?P<reqs>\d+)\s+(?P<fails>
 
 
 @dataclass
-class LocustRun:
+class LocustResult:
     """One ``locust --headless`` run: exit code, the console's final table and the CSV's."""
 
     returncode: int
@@ -67,7 +67,7 @@ def run_locust(
     run_time_s: int = 30,
     extra: list[str] | None = None,
     extra_body: dict[str, Any] | None = None,
-) -> LocustRun:
+) -> LocustResult:
     """``locust -f loadtests/locustfile.py --headless -u U -r R -t Ns --csv PREFIX``."""
     cmd = [sys.executable, "-m", "locust", "-f", str(LOCUSTFILE), "--headless",
            "-u", str(users), "-r", str(spawn_rate), "-t", f"{run_time_s}s", "--host", host,
@@ -78,7 +78,7 @@ def run_locust(
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=run_time_s + 120,
                           cwd=LOADTESTS.parent)  # fmt: skip
     output = proc.stdout + proc.stderr
-    return LocustRun(
+    return LocustResult(
         returncode=proc.returncode,
         console=console_summary(output),
         csv=csv_summary(out_prefix),

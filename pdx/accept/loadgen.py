@@ -1,7 +1,7 @@
 """Locust as a subprocess: the command line for one step, running it, reading its CSV.
 
 Locust monkey-patches the interpreter (gevent), so pdx never imports it: each step runs
-``python -m locust -f loadtests/locustfile.py --headless ...`` and reads the files it writes.
+``python -m locust -f pdx/accept/traffic/locustfile.py --headless ...`` and reads its files.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from pdx.errors import InputError
 
 
 def default_locustfile() -> Path:
-    """``loadtests/locustfile.py`` of the source tree pdx runs from."""
-    return Path(__file__).resolve().parents[2] / "loadtests" / "locustfile.py"
+    """The locustfile shipped in the package (``pdx/accept/traffic/locustfile.py``)."""
+    from pdx.accept.traffic import LOCUSTFILE
+
+    return LOCUSTFILE
 
 
 def resolve_locustfile(pb: Playbook, playbook_dir: Path) -> Path:

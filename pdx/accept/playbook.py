@@ -278,7 +278,9 @@ class Load(BaseModel):
     """How Locust generates the load (it always runs as a separate process)."""
 
     model_config = _Strict
-    locustfile: str | None = Field(default=None, description="default: loadtests/locustfile.py")
+    locustfile: str | None = Field(
+        default=None, description="default: the one pdx ships (pdx/accept/traffic/locustfile.py)"
+    )
     workers: Annotated[int, Field(ge=0, le=32)] = Field(
         default=0, description="Locust worker processes (0 = one local process)"
     )

@@ -9,7 +9,8 @@ import pytest
 import requests
 from hypothesis import given
 from hypothesis import strategies as st
-from llm_stream import (
+
+from pdx.accept.traffic.llm_stream import (
     LengthSpec,
     PromptSource,
     RequestRecord,

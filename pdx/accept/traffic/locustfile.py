@@ -27,7 +27,11 @@ import requests
 from gevent import GreenletExit
 from gevent.lock import BoundedSemaphore
 from gevent.pool import Group
-from llm_stream import (
+from locust import User, constant, events, stats, task
+from locust.runners import WorkerRunner
+from locust.user.task import LOCUST_STATE_STOPPING
+
+from pdx.accept.traffic.llm_stream import (
     LengthSpec,
     PromptSource,
     RequestRecord,
@@ -35,9 +39,6 @@ from llm_stream import (
     load_lengths_file,
     stream_completion,
 )
-from locust import User, constant, events, stats, task
-from locust.runners import WorkerRunner
-from locust.user.task import LOCUST_STATE_STOPPING
 
 _records_file: Any = None
 
