@@ -29,7 +29,7 @@ from pdx.serving.backends.kvwire import StreamRebuild, decode_kv
 from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
 from pdx.serving.deploy_config import DecodeConfig, DeployConfig, NodeOptions
 from pdx.serving.kv_settings import kv_client_config
-from pdx.serving.node import run_child
+from pdx.serving.node import run_child, stop_serving
 from pdx.serving.prefill import check_prompt
 from pdx.serving.rpc import create_server, set_serving, start_health_server
 from pdx.tls import tls_for
@@ -613,12 +613,7 @@ class DecodeNode:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """Graceful: let running streams finish within ``grace_s``, then stop the engine."""
-        if self.health is not None:  # probes see NOT_SERVING while in-flight work drains
-            await self.health.enter_graceful_shutdown()
-        if self.server is not None:
-            await self.server.stop(grace_s)
-        if self.health_server is not None:
-            await self.health_server.stop(0)
+        await stop_serving(self.health, self.server, self.health_server, grace_s)
         if self.engine is not None:
             await self.engine.stop()
         if self.source is not None:

@@ -16,6 +16,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Protocol
 
+import grpc
+
 from pdx.serving.deploy_config import DeployConfig, NodeOptions, load_deploy_config
 
 READY_PREFIX = "PDX-READY "
@@ -34,6 +36,21 @@ class Node(Protocol):
 
 
 StartFn = Callable[..., Awaitable[Node]]
+
+
+async def stop_serving(
+    health: Any, server: grpc.aio.Server | None, health_server: grpc.aio.Server | None,
+    grace_s: float,
+) -> None:  # fmt: skip
+    """A node's gRPC side, gracefully: health NOT_SERVING while in-flight calls drain for
+    ``grace_s``, then the health server (any of the three may be None: a node that never
+    finished starting)."""
+    if health is not None:
+        await health.enter_graceful_shutdown()
+    if server is not None:
+        await server.stop(grace_s)
+    if health_server is not None:
+        await health_server.stop(0)
 
 
 def child_arguments(argv: list[str]) -> tuple[str, NodeOptions]:

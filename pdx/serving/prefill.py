@@ -30,7 +30,7 @@ from pdx.serving.backends.kvwire import EncodedKV, encode_kv
 from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
 from pdx.serving.deploy_config import DeployConfig, NodeOptions, PrefillConfig
 from pdx.serving.kv_settings import PrefillKV, dialable, prefill_kv
-from pdx.serving.node import run_child
+from pdx.serving.node import run_child, stop_serving
 from pdx.serving.rpc import create_server, set_serving, start_health_server
 from pdx.tls import tls_for
 from pdx.transfer.client import KVClient
@@ -499,12 +499,7 @@ class PrefillNode:
 
     async def stop(self, grace_s: float = 2.0) -> None:
         """Graceful: stop taking requests, finish in-flight ones, then close the store."""
-        if self.health is not None:  # probes see NOT_SERVING while in-flight work drains
-            await self.health.enter_graceful_shutdown()
-        if self.server is not None:
-            await self.server.stop(grace_s)
-        if self.health_server is not None:
-            await self.health_server.stop(0)
+        await stop_serving(self.health, self.server, self.health_server, grace_s)
         if self.client is not None:
             await self.client.close()
         if self.kv_server is not None:

@@ -393,11 +393,18 @@ def build_gateway(
         cfg.gateway,
         router,
         tokenizer,
-        max_context_tokens=max_context_tokens,
-        model_name=cfg.gateway.served_model_name or model_name,
-        model_aliases=cfg.gateway.model_aliases,
+        **naming(cfg, model_name, max_context_tokens),
         tls=tls,
-        poll_interval_s=cfg.router.status_poll_ms / 1e3,
         synthetic=synthetic,
         threshold_for=(lambda tflops: local_prefill_threshold(cfg, tflops)) if auto else None,
     )
+
+
+def naming(cfg: DeployConfig, model_name: str, max_context_tokens: int) -> dict[str, Any]:
+    """The keyword arguments both gateways take from the deploy config alike."""
+    return {
+        "max_context_tokens": max_context_tokens,
+        "model_name": cfg.gateway.served_model_name or model_name,
+        "model_aliases": cfg.gateway.model_aliases,
+        "poll_interval_s": cfg.router.status_poll_ms / 1e3,
+    }

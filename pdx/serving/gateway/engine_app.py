@@ -24,7 +24,7 @@ from pdx.serving.deploy_config import DeployConfig, local_prefill_threshold
 from pdx.serving.engines.client import EngineClient
 from pdx.serving.engines.metrics import merge, sample_sum
 from pdx.serving.engines.vllm import VLLMEngines
-from pdx.serving.gateway.app import Gateway
+from pdx.serving.gateway.app import Gateway, naming
 from pdx.serving.gateway.engine_flow import EngineFlow, EngineFlowContext, EngineSettings
 from pdx.serving.router import DecodeInstance, PrefillInstance, Router
 from pdx.transfer.retry import GlobalRetryBudget
@@ -164,11 +164,8 @@ def build_engine_gateway(
         cfg.gateway,
         router,
         tokenizer,
-        max_context_tokens=max_context_tokens,
-        model_name=cfg.gateway.served_model_name or model_name,
-        model_aliases=cfg.gateway.model_aliases,
+        **naming(cfg, model_name, max_context_tokens),
         tls=None,
-        poll_interval_s=cfg.router.status_poll_ms / 1e3,
         engine=settings,
         vocab_size=vocab_size,
     )

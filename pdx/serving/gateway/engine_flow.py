@@ -88,8 +88,7 @@ class EngineFlow(Flow):
 
     async def events(self) -> AsyncGenerator[int, None]:
         """Generated tokens in order; raises HTTPProblem on failure."""
-        m = self.ctx.metrics
-        m.waiting.inc()
+        self.ctx.metrics.waiting.inc()
         outcome_label = "error"
         try:
             params = None
@@ -103,12 +102,7 @@ class EngineFlow(Flow):
             self._finish_engine()
             outcome_label = "degraded" if self.outcome.pdx.get("degraded") else "ok"
         finally:
-            if self.client_gone:
-                outcome_label = "client_disconnect"
-            self.release()
-            (m.waiting if self.ttft_s is None else m.running).dec()
-            route = self.outcome.pdx.get("route", self.decision.route)
-            m.requests.labels(route, outcome_label).inc()
+            self.account(outcome_label)
 
     # --- step 1 --------------------------------------------------------------------------
 

@@ -125,8 +125,7 @@ class Flow:
 
     async def events(self) -> AsyncGenerator[int, None]:
         """Generated tokens in order; raises HTTPProblem on failure."""
-        m = self.ctx.metrics
-        m.waiting.inc()
+        self.ctx.metrics.waiting.inc()
         outcome_label = "error"
         try:
             gen = self._generate_request()
@@ -153,12 +152,17 @@ class Flow:
             if self._early is not None:  # a streamed-KV decode call nobody will read
                 self._early.cancel()
                 self._early = None
-            if self.client_gone:
-                outcome_label = "client_disconnect"
-            self.release()
-            (m.waiting if self.ttft_s is None else m.running).dec()
-            route = self.outcome.pdx.get("route", self.decision.route)
-            m.requests.labels(route, outcome_label).inc()
+            self.account(outcome_label)
+
+    def account(self, outcome_label: str) -> None:
+        """The end of a flow, however it ended: slot back, gauges down, request counted."""
+        m = self.ctx.metrics
+        if self.client_gone:
+            outcome_label = "client_disconnect"
+        self.release()
+        (m.waiting if self.ttft_s is None else m.running).dec()
+        route = self.outcome.pdx.get("route", self.decision.route)
+        m.requests.labels(route, outcome_label).inc()
 
     def _generate_request(self) -> serving_pb2.GenerateRequest:
         req = self.req
