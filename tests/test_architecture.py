@@ -1,8 +1,9 @@
 """The package's shape: no import cycles among pdx modules, and each layer imports only below it.
 
 Imports are read with ``ast`` from the source (every ``import`` and ``from ... import``,
-function-level ones included); only those under ``if TYPE_CHECKING:`` are left out, since
-they never run. docs/architecture.md states the same rules for people.
+function-level ones included). The layer rules look at what runs (imports under
+``if TYPE_CHECKING:`` left out); the cycle check counts those too, since a type-only import
+back up is still a back-pointer. docs/architecture.md states the same rules for people.
 """
 
 from __future__ import annotations
@@ -79,13 +80,13 @@ def _targets(
     return [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in mods else prefix for a in node.names]
 
 
-def import_graph() -> dict[str, set[str]]:
-    """Module -> the pdx modules it imports (at run time)."""
+def import_graph(*, type_checking: bool = False) -> dict[str, set[str]]:
+    """Module -> the pdx modules it imports (at run time; also for type checking if asked)."""
     mods = _modules()
     graph: dict[str, set[str]] = defaultdict(set)
     for mod, (path, is_pkg) in mods.items():
         tree = ast.parse(path.read_text(), filename=str(path))
-        skip = _type_checking_nodes(tree)
+        skip = set() if type_checking else _type_checking_nodes(tree)
         for node in ast.walk(tree):
             if not isinstance(node, ast.Import | ast.ImportFrom) or id(node) in skip:
                 continue
@@ -161,6 +162,54 @@ def test_the_import_reader_sees_function_level_imports_and_skips_type_checking()
 def test_no_import_cycles_among_pdx_modules() -> None:
     found = cycles(import_graph())
     assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_no_cycles_even_through_type_only_imports() -> None:
+    found = cycles(import_graph(type_checking=True))
+    assert found == [], "import cycles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_type_checking_reader_sees_type_only_imports() -> None:
+    src = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pdx.errors import X\n"
+    tree = ast.parse(src)
+    skipped = _type_checking_nodes(tree)
+    imports = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
+    assert [n.module for n in imports if id(n) in skipped] == ["pdx.errors"]
+
+
+def test_the_bottom_layer_imports_only_the_bottom_layer() -> None:
+    graph = import_graph(type_checking=True)
+    bad = sorted(
+        f"{mod} -> {target}"
+        for mod, targets in graph.items()
+        if _package(mod) in BOTTOM and mod != "pdx"
+        for target in targets
+        if _package(target) not in BOTTOM
+    )
+    assert bad == [], f"the bottom layer imports above itself: {bad}"
+
+
+def test_every_package_declares_its_public_surface() -> None:
+    missing = []
+    for path in sorted(PKG.rglob("__init__.py")):
+        if "_proto" in path.parts:
+            continue
+        tree = ast.parse(path.read_text())
+        names = {t.id for n in tree.body if isinstance(n, ast.Assign | ast.AnnAssign)
+                 for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+                 if isinstance(t, ast.Name)}  # fmt: skip
+        if "__all__" not in names:
+            missing.append(str(path.relative_to(PKG.parent)))
+    assert missing == [], f"packages without __all__: {missing}"
+
+
+def test_no_module_over_700_lines() -> None:
+    long = sorted(
+        f"{p.relative_to(PKG.parent)} ({n})"
+        for p in PKG.rglob("*.py")
+        if "_proto" not in p.parts and (n := len(p.read_text().splitlines())) > 700
+    )
+    assert long == [], f"split these by role: {long}"
 
 
 @pytest.mark.parametrize("package", sorted(ALLOWED))

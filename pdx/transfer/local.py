@@ -18,13 +18,15 @@ import xxhash
 from pdx._proto import kv_transfer_pb2 as pb
 from pdx.transfer.contract import KVError, KVErrorCode, KVLayout
 from pdx.transfer.wire import ChunkView, digest64, rechunk
+from pdx.transfer.writer import KVWriter
 
 if TYPE_CHECKING:
     from pdx.transfer.service import KVService
 
 
 class LocalWriter:
-    """Same interface as :class:`pdx.transfer.client.StreamWriter`, in-process."""
+    """A :class:`~pdx.transfer.writer.KVWriter` like :class:`pdx.transfer.client.StreamWriter`,
+    in-process."""
 
     def __init__(
         self,
@@ -131,3 +133,6 @@ class LocalWriter:
         """Stop writing: the store ends the object (readers get KV_INCOMPLETE)."""
         if not self.obj.complete:
             self.store.end_writing(self.obj, "the writer stopped before closing it")
+
+
+_writer: type[KVWriter] = LocalWriter  # mypy checks that it implements KVWriter

@@ -13,6 +13,8 @@ lives in one thread (connection threads on the store, worker threads on the clie
 ``recv_into``, ``sendmsg``, TLS and xxHash all release the interpreter lock.
 
 Modules: :mod:`.framing` (frames, connections, TLS on memory buffers, deadlines, receive
-buffers), :mod:`.server` (the store's listener), :mod:`.client` (dialing, pooling, one
-Put or Get stream).
+buffers), :mod:`.server` (the store's listener), :mod:`.handoff` (between a connection
+thread and the event loop), :mod:`.client` (dialing, pooling, one Put or Get stream).
 """
+
+__all__ = ["client", "framing", "handoff", "server"]
