@@ -20,9 +20,6 @@ from pydantic import BaseModel, Field, model_validator
 from pdx.accept import confidence as ci
 from pdx.accept.playbook import Criteria, Playbook, Step, Validity
 
-# The report's what_to_change lines, importable from here with the judging itself.
-from pdx.accept.remedies import kv_demand, load_caps, recommendations, undecided_steps  # noqa: F401
-
 Result = Literal["pass", "fail", "indeterminate", "not_measured"]
 
 

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pdx import __version__
 from pdx.accept import criteria as judge
+from pdx.accept import remedies
 from pdx.accept.gates import GateContext, StepGates
 from pdx.accept.link import ProxyLink, counters_delta, proxy_acts
 from pdx.accept.loadgen import LocustRun, read_locust_stats, resolve_locustfile, step_args
@@ -570,10 +571,10 @@ class AcceptRun:
             (o.step, {**o.report.summary, "elapsed_s": o.report.elapsed_s}) for o in self.outcomes
         ]
         settings, prediction_summary = self._predict()
-        recs = judge.recommendations(
+        recs = remedies.recommendations(
             failed, [v for v in validity if not v.valid], step_data, self.pb.preflight.link_gbps
         )
-        recs += judge.undecided_steps(criteria, step_data)
+        recs += remedies.undecided_steps(criteria, step_data)
         if not complete:
             recs.insert(0, "the run did not finish: rerun it to completion before signing off")
         steps = [o.report for o in self.outcomes]
