@@ -1,1 +1,3 @@
-"""Command-line interface: one thin typer module per command group."""
+"""Command-line interface: one thin typer module per command group; ``main`` holds the app."""
+
+__all__ = ["main"]

@@ -14,8 +14,9 @@ from collections.abc import Callable
 import pytest
 
 from pdx.accept import confidence as ci
-from pdx.accept.criteria import CriterionResult, judge_step, undecided_steps
+from pdx.accept.criteria import CriterionResult, judge_step
 from pdx.accept.playbook import Criteria, Step
+from pdx.accept.remedies import undecided_steps
 from pdx.accept.run import EXIT_CODES, run_verdict
 
 C = 0.95

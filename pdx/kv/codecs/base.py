@@ -1,4 +1,4 @@
-"""Codec base class, header framing and the registry."""
+"""Codec base class and header framing (the registry is :mod:`pdx.kv.codecs.registry`)."""
 
 from __future__ import annotations
 

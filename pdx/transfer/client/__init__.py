@@ -25,8 +25,6 @@ from pdx.transfer.client.transport import (
     TransportPolicy,
 )
 from pdx.transfer.metrics import TransferRecord
-from pdx.transfer.objects import KVObject, encode_tensors
-from pdx.transfer.rpc import map_rpc_error
 from pdx.transfer.writer import KVWriter
 
 __all__ = [
@@ -35,13 +33,10 @@ __all__ = [
     "RECONNECT_OPTIONS",
     "TRANSPORTS",
     "KVClient",
-    "KVObject",
     "KVTransport",
     "KVWriter",
     "StreamWriter",
     "StreamedGet",
     "TransferRecord",
     "TransportPolicy",
-    "encode_tensors",
-    "map_rpc_error",
 ]
