@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import aiohttp
+import orjson
 
 from pdx.errors import ServingError
 
@@ -76,6 +77,15 @@ class StreamChunk:
     finish_reason: str | None = None
     logprobs: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
+    text: str | None = None  # the engine's own detokenized text (None: the event had none)
+
+
+_JSON = {"Content-Type": "application/json"}
+MAX_EVENT_BYTES = 1 << 20  # one server-sent event line from an engine, at most
+
+
+def _text(raw: bytes) -> str:
+    return raw.decode("utf-8", errors="replace")
 
 
 def _error_message(text: str) -> str:
@@ -121,16 +131,18 @@ class EngineClient:
 
     async def _post_json(self, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
         try:
-            async with self.session.post(url, json=body, timeout=self._timeout(timeout_s)) as r:
-                text = await r.text()
+            async with self.session.post(
+                url, data=orjson.dumps(body), headers=_JSON, timeout=self._timeout(timeout_s)
+            ) as r:
+                raw = await r.read()
                 if r.status != 200:
-                    raise EngineHTTPError(r.status, _error_message(text))
+                    raise EngineHTTPError(r.status, _error_message(_text(raw)))
         except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
             raise EngineUnreachable(f"{url}: {type(exc).__name__}: {exc}") from None
         try:
-            data: dict[str, Any] = json.loads(text)
-        except ValueError:
-            raise EngineHTTPError(200, f"not JSON: {text[:200]}") from None
+            data: dict[str, Any] = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            raise EngineHTTPError(200, f"not JSON: {_text(raw)[:200]}") from None
         return data
 
     async def stream(
@@ -146,18 +158,31 @@ class EngineClient:
         body = {**body, "model": self.model, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         try:
-            async with self.session.post(url, json=body, timeout=self._timeout(timeout_s)) as r:
+            async with self.session.post(
+                url, data=orjson.dumps(body), headers=_JSON, timeout=self._timeout(timeout_s)
+            ) as r:
                 if r.status != 200:
                     raise EngineHTTPError(r.status, _error_message(await r.text()))
-                done = False
+                done, rest = False, b""
                 try:
-                    async for line in r.content:
-                        chunk = _parse_event(line)
-                        if chunk is _DONE:
-                            done = True
-                            return
-                        if chunk is not None:
-                            yield chunk
+                    # Whatever arrived, split into lines here: one wake-up per read, not per
+                    # line (every event is a data line and a blank one).
+                    async for data in r.content.iter_any():
+                        lines = (rest + data).split(b"\n")
+                        rest = lines.pop()
+                        if len(rest) > MAX_EVENT_BYTES:
+                            raise EngineHTTPError(502, f"an event over {MAX_EVENT_BYTES} bytes")
+                        for line in lines:
+                            chunk = _parse_event(line)
+                            if chunk is _DONE:
+                                done = True
+                                return
+                            if chunk is not None:
+                                yield chunk
+                    last = _parse_event(rest) if rest else None  # no newline after it
+                    done = last is _DONE
+                    if last is not None and not done:
+                        yield last
                 finally:
                     if not done:  # left early (client gone, stop string): abort it in vLLM
                         r.close()
@@ -201,21 +226,26 @@ _DONE = StreamChunk()
 
 def _parse_event(raw: bytes) -> StreamChunk | None:
     """One SSE line: a chunk, ``_DONE`` for ``[DONE]``, None for blank/comment lines."""
-    line = raw.decode("utf-8", errors="replace").strip()
-    if not line.startswith("data:"):
+    line = raw.strip()
+    if not line.startswith(b"data:"):
         return None
     payload = line[5:].strip()
-    if payload == "[DONE]":
+    if payload == b"[DONE]":
         return _DONE
     try:
-        data = json.loads(payload)
-    except ValueError:
-        return None
+        data = orjson.loads(payload)
+    except orjson.JSONDecodeError:  # also invalid UTF-8: read it as the stdlib would
+        try:
+            data = json.loads(payload.decode("utf-8", errors="replace"))
+        except ValueError:
+            return None
     if isinstance(data, dict) and "error" in data and "choices" not in data:
-        raise EngineHTTPError(500, _error_message(payload))
+        raise EngineHTTPError(500, _error_message(payload.decode("utf-8", errors="replace")))
     out = StreamChunk(usage=data.get("usage"))
     for choice in data.get("choices") or []:
         out.token_ids += [int(t) for t in choice.get("token_ids") or []]
+        if isinstance(text := choice.get("text"), str):
+            out.text = (out.text or "") + text
         out.finish_reason = choice.get("finish_reason") or out.finish_reason
         if choice.get("logprobs"):
             out.logprobs = choice["logprobs"]

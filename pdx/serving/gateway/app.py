@@ -322,7 +322,10 @@ class Gateway:
     ) -> web.StreamResponse:  # fmt: skip
         events = [flow.events() for flow in flows]
         try:  # errors before the first token keep their HTTP status
-            firsts = await asyncio.gather(*(_first(e) for e in events))
+            if len(events) == 1:  # the usual case, without a task per choice
+                firsts: list[int | None] = [await _first(events[0])]
+            else:
+                firsts = list(await asyncio.gather(*(_first(e) for e in events)))
         except BaseException:
             await asyncio.gather(*(e.aclose() for e in events), return_exceptions=True)
             for flow in flows:
@@ -334,7 +337,7 @@ class Gateway:
         sse = SSEWriter(self.tokenizer, req, flows, rid, created, resp)
         try:
             await resp.prepare(request)
-            await sse.run(list(firsts), events)
+            await sse.run(firsts, events)
         except ConnectionResetError:  # aiohttp's ClientConnectionResetError: the client left
             for flow, ev in zip(flows, events, strict=True):
                 await self._client_gone(flow, ev)

@@ -237,8 +237,16 @@ class EngineFlow(Flow):
                     else:
                         self.local_prefill_ms = first_ms
                 lps = token_logprobs(chunk.logprobs) if chunk.logprobs else []
+                # vLLM's text is vLLM's detokenization of these ids (stop strings applied):
+                # taken as is, not decoded again per token.
+                own_text = chunk.text is not None and bool(chunk.token_ids)
+                if own_text:
+                    count = len(self.outcome.tokens) + len(chunk.token_ids)
+                    if self.text.feed(self.outcome, chunk.text or "", count):
+                        self.outcome.finish_reason = "stop"
                 for i, token in enumerate(chunk.token_ids):
-                    self._token(token, _logprob(lps[i]) if i < len(lps) else None)
+                    self._token(token, _logprob(lps[i]) if i < len(lps) else None,
+                                decode=not own_text)  # fmt: skip
                     yield token
                     if self.outcome.finish_reason:
                         return

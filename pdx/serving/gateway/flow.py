@@ -50,12 +50,21 @@ class TextTracker:
     def update(self, out: Outcome) -> bool:
         """Recompute ``out.text``; True when a stop string matched (text cut before it)."""
         out.text = self.tokenizer.decode(out.tokens)
+        return self._stopped(out, len(out.tokens))
+
+    def feed(self, out: Outcome, text: str, tokens: int) -> bool:
+        """Append text an engine already detokenized (``tokens``: the count with it); True
+        when a stop string matched. Nothing is decoded here: the engine's text is the text."""
+        out.text += text
+        return self._stopped(out, tokens)
+
+    def _stopped(self, out: Outcome, tokens: int) -> bool:
         if not self.stops:
             return False
         # Only text not searched before can start a new match (min_tokens: none before it).
         start = max(0, self.checked - self.hold - 4)
         self.checked = len(out.text)
-        if len(out.tokens) < self.min_tokens:
+        if tokens < self.min_tokens:
             return False
         cuts = [i for s in self.stops if (i := out.text.find(s, start)) >= 0]
         if not cuts:
@@ -314,7 +323,11 @@ class Flow:
             "decode_failed",
         )
 
-    def _token(self, token: int, logprob: serving_pb2.TokenLogprob | None = None) -> None:
+    def _token(
+        self, token: int, logprob: serving_pb2.TokenLogprob | None = None, *, decode: bool = True
+    ) -> None:
+        """Record one generated token (``decode``: render the text from the ids; an engine
+        that sends its own text has fed it to :attr:`text` already)."""
         now = time.perf_counter()
         m = self.ctx.metrics
         if self.ttft_s is None:
@@ -329,7 +342,7 @@ class Flow:
         m.generation_tokens.inc()
         self.outcome.tokens.append(token)
         self.outcome.logprobs.append(logprob)
-        if self.text.update(self.outcome):
+        if decode and self.text.update(self.outcome):
             self.outcome.finish_reason = "stop"
 
     def _finish(self, chunk: serving_pb2.GenerateChunk) -> None:

@@ -407,27 +407,58 @@ def parse_json(raw: bytes) -> dict[str, Any]:
 
 
 def _check_tree(body: dict[str, Any]) -> None:
-    """Depth and string check, iteratively (a recursive walk would itself overflow)."""
-    stack: list[tuple[Any, str, int]] = [(body, "", 1)]
+    """Depth and string check, iteratively (a recursive walk would itself overflow).
+
+    On the request path of every call: numbers (a prompt of token ids is hundreds of them)
+    are skipped without building anything, and a node's path is spelled out only for an
+    error.
+    """
+    stack: list[tuple[Any, tuple[str | int, ...], int]] = [(body, (), 1)]
     while stack:
-        node, path, depth = stack.pop()
-        if depth > MAX_JSON_DEPTH:
-            raise bad_request(path or "body", f"JSON nested deeper than {MAX_JSON_DEPTH}",
-                              "invalid_json")  # fmt: skip
-        if isinstance(node, dict):
-            for key, value in node.items():
-                _check_text(key, path or "body")
-                stack.append((value, f"{path}.{key}" if path else key, depth + 1))
-        elif isinstance(node, list):
-            stack.extend((v, f"{path}[{i}]", depth + 1) for i, v in enumerate(node))
-        elif isinstance(node, str):
-            _check_text(node, path)
+        node, where, depth = stack.pop()
+        if type(node) is dict:
+            items: Any = node.items()
+            for key, _ in items:
+                _check_text(key, where)
+        elif type(node) is list:
+            if depth < MAX_JSON_DEPTH and _SCALARS.issuperset(map(type, node)):
+                continue  # all numbers (a prompt of token ids): nothing to check inside
+            items = enumerate(node)
+        else:
+            _check_text(node, where)
+            continue
+        for key, value in items:
+            kind = type(value)
+            if kind is not str and kind is not dict and kind is not list:
+                if depth >= MAX_JSON_DEPTH:  # a number one level too deep
+                    _too_deep((*where, key))
+                continue
+            if depth >= MAX_JSON_DEPTH:
+                _too_deep((*where, key))
+            stack.append((value, (*where, key), depth + 1))
 
 
-def _check_text(text: str, path: str) -> None:
+_SCALARS = frozenset({int, float, bool, type(None)})
+
+
+def _path(where: tuple[str | int, ...]) -> str:
+    """``messages[0].content`` for ("messages", 0, "content"); "" for the body itself."""
+    out = ""
+    for part in where:
+        out += f"[{part}]" if isinstance(part, int) else (f"{out and '.'}{part}")
+    return out
+
+
+def _too_deep(where: tuple[str | int, ...]) -> None:
+    raise bad_request(_path(where) or "body", f"JSON nested deeper than {MAX_JSON_DEPTH}",
+                      "invalid_json")  # fmt: skip
+
+
+def _check_text(text: str, where: tuple[str | int, ...]) -> None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError:
+        path = _path(where) or "body"
         raise bad_request(
             path, f"{path}: a lone UTF-16 surrogate is not text (escape it or send UTF-8)"
         ) from None

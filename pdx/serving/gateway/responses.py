@@ -16,6 +16,7 @@ import time
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
+import orjson
 from aiohttp import web
 
 from pdx._proto import serving_pb2
@@ -140,19 +141,20 @@ class SSEWriter:
         self.sent_events = [0] * len(flows)
         self.fmt = LogprobFormatter(tokenizer, req)
         self.echo = prompt_text(tokenizer, req) if req.echo else ""
+        head = {"id": rid, "object": self.obj, "created": created, "model": req.model}
+        self._head = b"data: " + orjson.dumps(head)[:-1] + b',"choices":['
 
     async def _send(self, choice: dict[str, Any] | None, **extra: Any) -> None:
-        chunk: dict[str, Any] = {
-            "id": self.rid,
-            "object": self.obj,
-            "created": self.created,
-            "model": self.req.model,
-            "choices": [choice] if choice is not None else [],
-        }
-        if self.req.include_usage:
-            chunk["usage"] = self._usage() if self.req.continuous_usage else None
-        chunk.update(extra)
-        await self.resp.write(f"data: {json.dumps(chunk)}\n\n".encode())
+        # The event is {id, object, created, model, choices[, usage], **extra}; the fields
+        # every event repeats are encoded once per stream (self._head), not once per token.
+        parts = [self._head, orjson.dumps(choice) if choice is not None else b"", b"]"]
+        if self.req.include_usage or "usage" in extra:
+            use = extra.pop("usage", self._usage() if self.req.continuous_usage else None)
+            parts += [b',"usage":', orjson.dumps(use)]
+        for key, value in extra.items():
+            parts += [b',"', key.encode(), b'":', orjson.dumps(value)]
+        parts.append(b"}\n\n")
+        await self.resp.write(b"".join(parts))
 
     def _usage(self) -> dict[str, int]:
         return usage(self.req, sum(len(f.outcome.tokens) for f in self.flows))
