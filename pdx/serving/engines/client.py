@@ -173,6 +173,8 @@ class EngineClient:
                         if len(rest) > MAX_EVENT_BYTES:
                             raise EngineHTTPError(502, f"an event over {MAX_EVENT_BYTES} bytes")
                         for line in lines:
+                            if len(line) < 6:  # a blank line between events ("data:x" is 6)
+                                continue
                             chunk = _parse_event(line)
                             if chunk is _DONE:
                                 done = True
