@@ -8,20 +8,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from pdx.accept.report import (
-    CRITERIA_HEADERS,
-    PREDICTION_HEADERS,
-    Report,
-    _headline,
-    criteria_rows,
-    not_judged_lines,
-    prediction_line,
-    prediction_rows,
-    preflight_lines,
-    recommendation_rows,
-    statistics_line,
-    unexplained_lines,
-)
+from pdx.accept.report import Report
+from pdx.accept.report import content as c
 
 
 def _mark(cell: str) -> str:
@@ -88,14 +76,14 @@ def _compact_rows(report: Report, short: dict[str, str]) -> list[list[str]]:
 def render_report(console: Console, report: Report) -> None:
     """Verdict first, then criteria, steps and what to change."""
     colour = {"GO": "green", "INCONCLUSIVE": "yellow"}.get(report.verdict, "red")
-    console.print(f"[bold {colour}]{_headline(report)}[/]  ({report.name})")
+    console.print(f"[bold {colour}]{c.headline(report)}[/]  ({report.name})")
     for p in report.problems:
         console.print(f"problem: {p}")
     short = {st.id: st.id.split("-", 1)[0] for st in report.steps}
-    crit = [[r[0], short.get(r[1], r[1]), *r[2:]] for r in criteria_rows(report)]
-    console.print(_table("criteria", CRITERIA_HEADERS, crit))
-    console.print(statistics_line(report), markup=False, highlight=False)
-    for line in not_judged_lines(report):
+    crit = [[r[0], short.get(r[1], r[1]), *r[2:]] for r in c.criteria_rows(report)]
+    console.print(_table("criteria", c.CRITERIA_HEADERS, crit))
+    console.print(c.statistics_line(report), markup=False, highlight=False)
+    for line in c.not_judged_lines(report):
         console.print(line, markup=False, highlight=False)
     console.print(_table("steps (ms unless stated)", _COMPACT, _compact_rows(report, short)))
     for full, brief in short.items():
@@ -104,23 +92,23 @@ def render_report(console: Console, report: Report) -> None:
         for why in st.summary.get("gates_not_measured") or []:
             console.print(f"{short[st.id]}: not judged: {why}", markup=False, highlight=False)
     if report.prediction_summary:
-        rows = prediction_rows(report, short=True)
-        console.print(_table("prediction vs measurement (ms)", PREDICTION_HEADERS, rows))
-        console.print(prediction_line(report), markup=False, highlight=False)
-        for line in unexplained_lines(report):
+        rows = c.prediction_rows(report, short=True)
+        console.print(_table("prediction vs measurement (ms)", c.PREDICTION_HEADERS, rows))
+        console.print(c.prediction_line(report), markup=False, highlight=False)
+        for line in c.unexplained_lines(report):
             console.print(line, markup=False, highlight=False)
     if any(r.value is not None for r in report.recommendations.values()):
         t = Table(title="recommended settings", title_justify="left")
         for h in ("setting", "value", "why"):
             t.add_column(h, overflow="fold")
-        for row in recommendation_rows(report):
+        for row in c.recommendation_rows(report):
             t.add_row(*(escape(c) for c in row))
         console.print(t)
     for r in report.what_to_change:
         console.print(f"- {r}", markup=False, highlight=False)
     if report.preflight:
         console.print("pre-flight:")
-        for line in preflight_lines(report.preflight):
+        for line in c.preflight_lines(report.preflight):
             console.print(line.replace("**", ""), markup=False, highlight=False)
 
 

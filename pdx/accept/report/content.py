@@ -209,7 +209,7 @@ def recommendation_rows(report: Report) -> list[list[str]]:
     ]
 
 
-def _headline(report: Report) -> str:
+def headline(report: Report) -> str:
     state = "" if report.complete else " (INCOMPLETE: interrupted or failed before the end)"
     deciding = [c for c in report.criteria if not c.advisory]
     met = sum(1 for c in deciding if c.result == "pass")
@@ -319,7 +319,7 @@ def gate_lines(report: Report) -> list[str]:
     return lines
 
 
-def _fault_lines(report: Report) -> list[str]:
+def fault_lines(report: Report) -> list[str]:
     lines = []
     for s in report.steps:
         if s.kernel:

@@ -6,24 +6,7 @@ from __future__ import annotations
 
 import html
 
-from pdx.accept.report.content import (
-    CRITERIA_HEADERS,
-    PREDICTION_HEADERS,
-    STEP_HEADERS,
-    _fault_lines,
-    _headline,
-    criteria_rows,
-    gate_lines,
-    not_judged_lines,
-    prediction_line,
-    prediction_rows,
-    preflight_lines,
-    recommendation_rows,
-    statistics_line,
-    step_rows,
-    target_line,
-    unexplained_lines,
-)
+from pdx.accept.report import content as c
 from pdx.accept.report.schema import Report
 
 
@@ -60,9 +43,9 @@ def render_html(report: Report, images: dict[str, str]) -> str:
     parts = [
         f"<h1>Acceptance report: {esc(report.name)}</h1>",
         f'<div id="verdict" class="verdict {esc(report.verdict)}">'
-        f"Verdict: {esc(_headline(report))}</div>",
+        f"Verdict: {esc(c.headline(report))}</div>",
         f"<p>Started {esc(report.started_at)}, finished {esc(report.finished_at)}. Target: "
-        f"<code>{esc(target_line(report))}</code></p>",
+        f"<code>{esc(c.target_line(report))}</code></p>",
     ]
     if report.problems:
         parts.append("<ul>" + "".join(f"<li>{esc(p)}</li>" for p in report.problems) + "</ul>")
@@ -70,39 +53,39 @@ def render_html(report: Report, images: dict[str, str]) -> str:
         items = "".join(f"<li>{esc(r)}</li>" for r in report.what_to_change)
         parts.append(f"<h2>What to change</h2><ul>{items}</ul>")
     parts.append(
-        f"<h2>Criteria</h2><p>{esc(statistics_line(report))}</p>"
-        + _html_table(CRITERIA_HEADERS, criteria_rows(report))
-        + "".join(f"<p>{esc(line)}</p>" for line in not_judged_lines(report))
+        f"<h2>Criteria</h2><p>{esc(c.statistics_line(report))}</p>"
+        + _html_table(c.CRITERIA_HEADERS, c.criteria_rows(report))
+        + "".join(f"<p>{esc(line)}</p>" for line in c.not_judged_lines(report))
     )
     invalid = [v for v in report.validity if not v.valid]
     items = "".join(f"<li>{esc(v.step)}: {esc('; '.join(v.problems))}</li>" for v in invalid)
     parts.append(
         "<h2>Validity</h2>" + (f"<ul>{items}</ul>" if items else "<p>All steps valid.</p>")
     )
-    parts.append("<h2>Steps</h2>" + _html_table(STEP_HEADERS, step_rows(report)))
+    parts.append("<h2>Steps</h2>" + _html_table(c.STEP_HEADERS, c.step_rows(report)))
     if report.prediction_summary:
-        items = "".join(f"<li>{esc(line)}</li>" for line in unexplained_lines(report))
+        items = "".join(f"<li>{esc(line)}</li>" for line in c.unexplained_lines(report))
         parts.append(
-            f"<h2>Prediction vs measurement</h2><p>{esc(prediction_line(report))}</p>"
-            + _html_table(PREDICTION_HEADERS, prediction_rows(report))
+            f"<h2>Prediction vs measurement</h2><p>{esc(c.prediction_line(report))}</p>"
+            + _html_table(c.PREDICTION_HEADERS, c.prediction_rows(report))
             + (f"<ul>{items}</ul>" if items else "")
         )
     if any(r.value is not None for r in report.recommendations.values()):
         parts.append(
             "<h2>Recommended settings</h2>"
-            + _html_table(["setting", "value", "why"], recommendation_rows(report))
+            + _html_table(["setting", "value", "why"], c.recommendation_rows(report))
         )
-    gates = gate_lines(report)
+    gates = c.gate_lines(report)
     if gates:
         items = "".join(f"<li>{esc(g.lstrip('- ').replace('**', ''))}</li>" for g in gates)
         parts.append(f"<h2>Gates: what the servers' own records show</h2><ul>{items}</ul>")
-    faults = _fault_lines(report)
+    faults = c.fault_lines(report)
     if faults:
         items = "".join(f"<li>{esc(f.lstrip('- ').replace('**', ''))}</li>" for f in faults)
         parts.append(f"<h2>Faults and how the service reacted</h2><ul>{items}</ul>")
     if report.preflight:
         items = "".join(f"<li>{esc(line.lstrip('- ').replace('**', ''))}</li>"
-                        for line in preflight_lines(report.preflight))  # fmt: skip
+                        for line in c.preflight_lines(report.preflight))  # fmt: skip
         parts.append(f'<h2>Pre-flight</h2><ul id="preflight">{items}</ul>')
     for name in report.plots:
         if name in images:

@@ -6,24 +6,7 @@ from __future__ import annotations
 
 import json
 
-from pdx.accept.report.content import (
-    CRITERIA_HEADERS,
-    PREDICTION_HEADERS,
-    STEP_HEADERS,
-    _fault_lines,
-    _headline,
-    criteria_rows,
-    gate_lines,
-    not_judged_lines,
-    prediction_line,
-    prediction_rows,
-    preflight_lines,
-    recommendation_rows,
-    statistics_line,
-    step_rows,
-    target_line,
-    unexplained_lines,
-)
+from pdx.accept.report import content as c
 from pdx.accept.report.schema import Report
 
 
@@ -45,9 +28,9 @@ def render_markdown(report: Report) -> str:
     """report.md: verdict, criteria, validity, steps, faults, plots, formulas."""
     parts = [
         f"# Acceptance report: {report.name}",
-        f"**Verdict: {_headline(report)}**",
+        f"**Verdict: {c.headline(report)}**",
         f"Started {report.started_at}, finished {report.finished_at}. Target: "
-        f"`{target_line(report)}`.",
+        f"`{c.target_line(report)}`.",
     ]
     if report.problems:
         parts.append("Problems:\n" + "\n".join(f"- {p}" for p in report.problems))
@@ -55,10 +38,10 @@ def render_markdown(report: Report) -> str:
         parts.append("## What to change\n" + "\n".join(f"- {r}" for r in report.what_to_change))
     parts.append(
         "## Criteria\n"
-        + statistics_line(report)
+        + c.statistics_line(report)
         + "\n\n"
-        + _md_table(CRITERIA_HEADERS, criteria_rows(report))
-        + "".join(f"\n\n{line}" for line in not_judged_lines(report))
+        + _md_table(c.CRITERIA_HEADERS, c.criteria_rows(report))
+        + "".join(f"\n\n{line}" for line in c.not_judged_lines(report))
     )
     invalid = [v for v in report.validity if not v.valid]
     parts.append(
@@ -68,28 +51,28 @@ def render_markdown(report: Report) -> str:
             or "Every step ran long enough, with enough requests, at the load asked for."
         )
     )
-    parts.append("## Steps\n" + _md_table(STEP_HEADERS, step_rows(report)))
+    parts.append("## Steps\n" + _md_table(c.STEP_HEADERS, c.step_rows(report)))
     if report.prediction_summary:
         parts.append(
             "## Prediction vs measurement\n"
-            + prediction_line(report)
+            + c.prediction_line(report)
             + "\n\n"
-            + _md_table(PREDICTION_HEADERS, prediction_rows(report))
-            + "".join(f"\n- {line}" for line in unexplained_lines(report))
+            + _md_table(c.PREDICTION_HEADERS, c.prediction_rows(report))
+            + "".join(f"\n- {line}" for line in c.unexplained_lines(report))
         )
     if any(r.value is not None for r in report.recommendations.values()):
         parts.append(
             "## Recommended settings\n"
-            + _md_table(["setting", "value", "why"], recommendation_rows(report))
+            + _md_table(["setting", "value", "why"], c.recommendation_rows(report))
         )
-    gates = gate_lines(report)
+    gates = c.gate_lines(report)
     if gates:
         parts.append("## Gates: what the servers' own records show\n" + "\n".join(gates))
-    faults = _fault_lines(report)
+    faults = c.fault_lines(report)
     if faults:
         parts.append("## Faults and how the service reacted\n" + "\n".join(faults))
     if report.preflight:
-        lines = preflight_lines(report.preflight)
+        lines = c.preflight_lines(report.preflight)
         parts.append("## Pre-flight\n" + "\n".join(lines))
         parts.append(
             "Pre-flight data:\n```json\n" + json.dumps(report.preflight, indent=2) + "\n```"
