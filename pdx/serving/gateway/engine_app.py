@@ -58,7 +58,10 @@ class EngineGateway(Gateway):
     def connect(self) -> None:
         """One HTTP session (pooled connections) for every instance."""
         connector = aiohttp.TCPConnector(limit=0, limit_per_host=256, keepalive_timeout=30)
-        self.session = aiohttp.ClientSession(connector=connector)
+        # No cookies between pdx and its engines: a dummy jar skips the per-request filtering.
+        self.session = aiohttp.ClientSession(
+            connector=connector, cookie_jar=aiohttp.DummyCookieJar()
+        )
         self._client = EngineClient(self.session, self.engine.served_model)
         self.ctx.http = self._client
 
