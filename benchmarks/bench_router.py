@@ -18,6 +18,12 @@ In one run:
    ``--hang-s``, and recovery = time from the kill until decode's
    ``vllm:prompt_tokens_cached_by_source{source="p2p"}`` rises again (KV pulled over NIXL).
 
+The rule of the fight: the same pair, client and prompts for both fronts; latency requests
+interleaved; the throughput phase takes the fronts in one order and the kill phase in the
+other; before each front's kill the pair is checked back by itself (a two-step request to the
+instances and decode's NIXL counter rising, through neither front); a kill that finds no
+prefill process stops the phase instead of being reported as a kill.
+
     python benchmarks/bench_router.py [--requests 20] [--prompt-tokens 300] [--max-tokens 32]
         [--users 4] [--load-s 20] [--kill-window-s 120] [--kill-rps 4] [--json]
 """
@@ -312,8 +318,8 @@ async def kill_run(
     async def kill() -> float | None:
         await asyncio.sleep(3.0)
         pid = dep.prefill_pid()
-        if pid is None:
-            return None
+        if pid is None:  # no kill happened: the phase would measure nothing, so it stops
+            raise RuntimeError("prefill-killed phase aborted: no prefill process found")
         os.killpg(pid, signal.SIGKILL)
         killed_at = time.monotonic()
         # p2p rises only once the restarted prefill hands out KV again
@@ -332,17 +338,22 @@ async def kill_run(
             "slowest_s": round(max((r["e2e_s"] for r in after), default=0.0), 2)}  # fmt: skip
 
 
-async def wait_pd_back(url: str, model: str, timeout_s: float = 240) -> None:
-    """Until a disaggregated request through pdx succeeds again (prefill restarted)."""
+async def wait_pd_back(urls: dict[str, str], model: str, timeout_s: float = 240) -> None:
+    """Until the pair itself moves KV again (prefill restarted): a two-step request straight
+    to the instances, and decode's own NIXL counter rising, through no front at all."""
     t0 = time.monotonic()
     async with aiohttp.ClientSession() as s:
+
+        async def p2p() -> float:
+            async with s.get(urls["decode"] + "/metrics") as r:
+                return float(engine_counters(await r.text())["p2p_cached_tokens"])
+
         while time.monotonic() - t0 < timeout_s:
-            body = {"model": model, "prompt": prompt(64), "max_tokens": 2,
-                    "pdx_route": "disaggregated"}  # fmt: skip
-            with contextlib.suppress(aiohttp.ClientError):
-                async with s.post(url + "/v1/completions", json=body) as r:
-                    data = await r.json()
-                if r.status == 200 and data["pdx"]["transfer_outcome"] == "ok":
+            body = {"model": model, "prompt": prompt(64), "max_tokens": 2}
+            with contextlib.suppress(aiohttp.ClientError, ValueError, KeyError):
+                before = await p2p()
+                out = await two_step(s, urls["prefill"], urls["decode"], body, 30.0)
+                if out["ok"] and await p2p() > before:
                     return
             await asyncio.sleep(1.0)
     raise RuntimeError("prefill did not come back")
@@ -376,19 +387,24 @@ def main() -> None:
             extras = {"pdx": {"pdx_route": "disaggregated"}, "vllm-router": {}}
             report["latency"] = asyncio.run(latency(fronts, urls, model, args))
             _print(args, "latency (medians, one request at a time)", report["latency"])
+            # Each later phase takes the fronts in the other order, so neither always runs
+            # second (after the other's load, or after an earlier kill and restart).
+            order = list(fronts)
+            report["order"] = {"throughput": order, "prefill_killed": order[::-1]}
             report["throughput"] = {
-                name: throughput(asyncio.run(closed_loop(url, model, args.users, args.load_s,
-                                                         args, extras[name])), args.load_s)
-                for name, url in fronts.items()
+                name: throughput(asyncio.run(closed_loop(fronts[name], model, args.users,
+                                                         args.load_s, args, extras[name])),
+                                 args.load_s)
+                for name in order
             }  # fmt: skip
             _print(
                 args, f"throughput ({args.users} users, {args.load_s:g} s)", report["throughput"]
             )
             report["prefill_killed"] = {}
-            for name, url in fronts.items():
-                asyncio.run(wait_pd_back(str(ep["gateway"]), model))
+            for name in order[::-1]:
+                asyncio.run(wait_pd_back(urls, model))
                 report["prefill_killed"][name] = asyncio.run(
-                    kill_run(dep, url, model, extras[name], args)
+                    kill_run(dep, fronts[name], model, extras[name], args)
                 )
             _print(args, "prefill SIGKILLed 3 s into the run", report["prefill_killed"])
     if args.json:
