@@ -18,7 +18,12 @@ prefill site, ``kv-bench --target`` in the decode site, iperf3 on the same path 
 round, medians of the rounds): at 10 and 50 ms RTT with a 1 Gbit/s cap, one stream against
 one iperf3 stream (goal >= 0.9x) and 4 streams against ``iperf3 -P 4`` (goal >= 0.8x); Get
 is compared with iperf3 prefill → decode (the way KV travels), Put with decode → prefill.
-With 0.1 % loss, one pdx stream (BBR, its default) against one CUBIC iperf3 stream.
+With 0.1 % loss, one stream each (goal >= 0.9x).
+
+The rule of the fight: both sides run the same congestion control (pdx's default, BBR;
+``iperf3 -C bbr``), on the same path under the same kernel buffer caps (the namespaces'
+``tcp_wmem``/``tcp_rmem``), with who goes first alternating from round to round; the label
+("meets" / "below") is computed from the ratio, never printed as a given.
 """
 
 from __future__ import annotations
@@ -278,13 +283,17 @@ def _kv_bench_ns(topo: Any, port: int, total: int, streams: int, cc: str) -> dic
     return data
 
 
-def _wan_case(topo: Any, port: int, total: int, rounds: int, streams: int,
-              cc: str = "bbr", iperf_cc: str | None = None) -> dict[str, Any]:  # fmt: skip
+def _wan_case(
+    topo: Any, port: int, total: int, rounds: int, streams: int, cc: str = "bbr"
+) -> dict[str, Any]:
     rows = []
-    for _ in range(rounds):
-        up = _iperf3_ns(topo, False, streams, 5, iperf_cc)
-        down = _iperf3_ns(topo, True, streams, 5, iperf_cc)
-        kv = _kv_bench_ns(topo, port, total, streams, cc)
+    for k in range(rounds):
+        if k % 2:  # pdx first on odd rounds, iperf3 first on even ones
+            kv = _kv_bench_ns(topo, port, total, streams, cc)
+        up = _iperf3_ns(topo, False, streams, 5, cc)
+        down = _iperf3_ns(topo, True, streams, 5, cc)
+        if not k % 2:
+            kv = _kv_bench_ns(topo, port, total, streams, cc)
         rows.append((up, down, kv["put_gbytes_per_s"], kv["get_gbytes_per_s"], kv))
     med = statistics.median
     return {
@@ -297,7 +306,7 @@ def _wan_case(topo: Any, port: int, total: int, rounds: int, streams: int,
         "get_ratio": round(med(r[3] / r[1] for r in rows), 3),
         "rtt_ms": rows[-1][4]["rtt_ms"],
         "congestion_control": rows[-1][4]["congestion_control"],
-        "iperf3_congestion_control": iperf_cc or "system",
+        "iperf3_congestion_control": cc,
     }
 
 
@@ -349,7 +358,7 @@ def wan_main() -> None:
                 if not args.json:
                     _print_wan(results["rows"][-1])
         netns.up(_conditions(prefix, delay_ms=25, loss=0.001))
-        row = _wan_case(topo, port, total, args.rounds, 1, cc="bbr", iperf_cc="cubic")
+        row = _wan_case(topo, port, total, args.rounds, 1)
         results["rows"].append({"rtt_ms_target": 50, "loss": 0.001, **row})
         if not args.json:
             _print_wan(results["rows"][-1])
@@ -362,7 +371,9 @@ def wan_main() -> None:
 
 
 def _print_wan(r: dict[str, Any]) -> None:
-    goal = "beats CUBIC" if r["loss"] else f"goal {WAN_GOALS[r['streams']]}x"
+    goal_x = WAN_GOALS[r["streams"]]
+    worst = min(r["put_ratio"], r["get_ratio"])
+    goal = f"{'meets' if worst >= goal_x else 'below'} the goal {goal_x}x (worst {worst:.2f}x)"
     print(
         f"RTT {r['rtt_ms_target']:>3} ms loss {r['loss'] * 100:g} % {r['streams']} stream(s) "
         f"[pdx {r['congestion_control']}, iperf3 {r['iperf3_congestion_control']}]: "

@@ -2,7 +2,9 @@
 
 - silent fallback: requests labelled ``disaggregated`` whose decode did not use shipped KV —
   decode's own per-request figures in the ``pdx`` object (``kv_bytes`` it read, the time it
-  spent prefilling the prompt itself), not the route label;
+  spent prefilling the prompt itself), not the route label; with vLLM engines, decode's own
+  record of each request whose KV load failed (the engine hook behind
+  ``PDX_VLLM_KV_FAILURES``), matched to the requests the gateway labelled disaggregated;
 - wrong output: a sample of greedy requests replayed on the local route, token ids compared;
 - stranded KV: how long each KV object stayed in the store after its request ended, from the
   store's audit log (put, then release / expire / evict) and decode's per-request records;
@@ -48,6 +50,45 @@ def silent_fallback(rows: list[dict[str, Any]]) -> dict[str, int] | None:
         if r["pdx"].get("route") == "disaggregated" and (r.get("output_tokens") or 0) > 1
     ]
     silent = sum(1 for p in labelled if not decode_used_shipped_kv(p))
+    return {"labelled_disaggregated": len(labelled), "silent_fallback": silent}
+
+
+def engine_silent_fallback(
+    rows: list[dict[str, Any]], audit_dir: Path | None
+) -> dict[str, int] | str:
+    """vLLM: ok requests labelled disaggregated (more than one token) whose decode request
+    is in decode's KV-load failure records (vLLM recomputed the prompt: ``recompute``
+    policy), or why this cannot be told.
+
+    Only a record file whose first line says the hook is in place counts, so that no record
+    of a request means its load did not fail rather than that nothing was recording.
+    """
+    if audit_dir is None:
+        return "kv.audit_dir is unset, where decode writes its KV-load failure records"
+    hooked, failed = False, []
+    for path in sorted(audit_dir.glob("*.kv-load-failures.jsonl")):
+        for line in path.read_text(errors="replace").splitlines():
+            try:
+                rec = json.loads(line)
+            except ValueError:
+                continue
+            if rec.get("hook") == "kv_load_failures":
+                hooked = True
+            elif rec.get("request_id"):
+                failed.append(str(rec["request_id"]))
+    if not hooked:
+        return ("decode kept no KV-load failure record (an engine pdx did not start, or a "
+                "vLLM environment without pdx's engine hooks: make vllm)")  # fmt: skip
+    labelled = [
+        r["pdx"]
+        for r in rows
+        if r.get("ok") and isinstance(r.get("pdx"), dict)
+        and r["pdx"].get("route") == "disaggregated" and (r.get("output_tokens") or 0) > 1
+    ]  # fmt: skip
+    if any(not p.get("decode_request_id") for p in labelled):
+        return "the gateway's records do not name decode's request ids"
+    # vLLM's own id wraps the one the gateway sent (``cmpl-<id>``, maybe a suffix).
+    silent = sum(1 for p in labelled if any(p["decode_request_id"] in f for f in failed))
     return {"labelled_disaggregated": len(labelled), "silent_fallback": silent}
 
 
@@ -332,14 +373,16 @@ async def collect(
     fallback = silent_fallback(rows)
     if _engine_rows(rows):
         # vLLM's route label is the gateway's own: "disaggregated" once decode, given the KV
-        # handle, emits a token. vLLM records per request neither the prompt tokens it took
-        # from the pulled KV nor a recompute after a failed pull (its counters are summed over
-        # requests, and count pulled tokens at admission, before a load can fail), so nothing
-        # tells a quiet recompute apart: not measured, rather than 0 by construction.
-        missing.append(
-            "silent_fallback_max: engine vllm: the route label is decode's first token; vLLM "
-            "keeps no per-request record of prompt KV taken versus recomputed"
-        )
+        # handle, emits a token. vLLM's counters are summed over requests (and count pulled
+        # tokens at admission, before a load can fail); decode's own failure records, per
+        # request, are what tells a quiet recompute apart.
+        engine = engine_silent_fallback(rows, ctx.audit_dir)
+        if isinstance(engine, str):
+            missing.append(f"silent_fallback_max: engine vllm: {engine}")
+        else:
+            facts.update(engine)
+            if not engine["labelled_disaggregated"]:
+                missing.append("silent_fallback_max: no request was labelled disaggregated")
     elif fallback is None:
         missing.append("silent_fallback_max: the target reports no per-request pdx object")
     else:

@@ -22,7 +22,14 @@ import pytest
 import yaml
 
 from pdx.accept.criteria import CriterionResult
-from pdx.accept.gates import held_objects, idle_burst, overdue, silent_fallback, stranded
+from pdx.accept.gates import (
+    engine_silent_fallback,
+    held_objects,
+    idle_burst,
+    overdue,
+    silent_fallback,
+    stranded,
+)
 from pdx.accept.repeat import summarize_runs
 from pdx.accept.report import Report
 
@@ -286,3 +293,24 @@ def test_killed_decode_strands_kv_and_a_silent_transfer_is_overdue(tmp_path: Pat
     s01 = data["steps"][1]
     assert s01["kv_stranded_byte_s"] > 0 and s01["summary"]["kv_stranded_still_held"] > 0
     assert s01["summary"]["kv_stranded_worst"]["deleted_by"] == "still held"
+
+
+def test_the_vllm_silent_fallback_gate_reads_decode_failure_records(tmp_path: Path) -> None:
+    def row(rid: str, route: str = "disaggregated") -> dict[str, Any]:
+        return {"ok": True, "output_tokens": 8,
+                "pdx": {"engine": "vllm", "route": route, "decode_request_id": rid}}  # fmt: skip
+
+    rows = [row("cmpl-a-0-d"), row("cmpl-b-0-d"), row("cmpl-c-0-d", "local")]
+    assert "kv.audit_dir is unset" in str(engine_silent_fallback(rows, None))
+    assert "no KV-load failure record" in str(engine_silent_fallback(rows, tmp_path))
+    records = tmp_path / "decode-0.kv-load-failures.jsonl"
+    records.write_text('{"hook": "kv_load_failures"}\n')
+    assert engine_silent_fallback(rows, tmp_path) == {
+        "labelled_disaggregated": 2, "silent_fallback": 0}  # fmt: skip
+    # vLLM's own id wraps the gateway's; a local request in the records is not a silent one.
+    records.write_text('{"hook": "kv_load_failures"}\n{"request_id": "cmpl-cmpl-b-0-d-9f"}\n'
+                       '{"request_id": "cmpl-cmpl-c-0-d"}\nnot json\n')  # fmt: skip
+    assert engine_silent_fallback(rows, tmp_path) == {
+        "labelled_disaggregated": 2, "silent_fallback": 1}  # fmt: skip
+    rows.append({"ok": True, "output_tokens": 8, "pdx": {"route": "disaggregated"}})
+    assert "do not name decode's request ids" in str(engine_silent_fallback(rows, tmp_path))

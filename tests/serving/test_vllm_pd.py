@@ -18,9 +18,8 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 from typer.testing import CliRunner
-from vllm_helpers import metrics_text, post, unique_prompt, vllm_deployment
+from vllm_helpers import metrics_text, post, side_channel_cut, unique_prompt, vllm_deployment
 
 from pdx.serving.engines.metrics import engine_counters, sample_sum
 from pdx.serving.supervisor import Deployment
@@ -200,29 +199,8 @@ def test_no_capacity_is_429_and_a_client_leaving_aborts_in_vllm(pair: Deployment
 @pytest.fixture
 async def cut_side_channel(pair: Deployment) -> AsyncIterator[str]:
     """A relay in front of prefill that sends decode to a NIXL side channel nobody listens on."""
-    prefill = pair.endpoints().prefill[0]["url"]
-
-    async def relay(request: web.Request) -> web.Response:
-        body = await request.json()
-        async with (
-            aiohttp.ClientSession() as s,
-            s.post(prefill + "/v1/completions", json=body) as r,
-        ):
-            data = await r.json()
-        params = data.get("kv_transfer_params") or {}
-        params.update(remote_port=9, remote_engine_id="unreachable-prefill")
-        return web.json_response(data)
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", relay)
-    app.router.add_get("/health", lambda _: web.json_response({}))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with side_channel_cut(pair.endpoints().prefill[0]["url"]) as url:
+        yield url
 
 
 async def test_a_failed_kv_load_is_recomputed_and_labelled(

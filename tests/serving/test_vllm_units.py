@@ -244,3 +244,34 @@ def test_shm_hook_shortens_the_readers_busy_window_only() -> None:
     assert any(p.match(shm.__name__) for p, _, _ in engine_hooks.HOOKS)
     shm.SHM_READER_RECHECK_INTERVAL_MS = 5000  # type: ignore[attr-defined]
     assert engine_hooks.patch_recheck(shm, 50) and shm.SHM_READER_RECHECK_INTERVAL_MS == 50
+
+
+def test_kv_failure_hook_records_each_request_whose_load_failed(tmp_path: Path) -> None:
+    class Scheduler:  # the shape of vLLM's v1 Scheduler around a failed KV load
+        def __init__(self, recompute: bool) -> None:
+            self.recompute_kv_load_failures = recompute
+            self.failed_recving_kv_req_ids: set[str] = set()
+
+        def _handle_failed_recving(self, ids: set[str]) -> set[str]:
+            if self.recompute_kv_load_failures:
+                self.failed_recving_kv_req_ids |= ids
+                return set()
+            return set(ids)
+
+        def _handle_invalid_blocks(self, blocks: set[int], scheduled: dict[str, int]) -> set[str]:
+            return {f"sync-{b}" for b in blocks}
+
+    sched = types.ModuleType("vllm.v1.core.sched.scheduler")
+    sched.Scheduler = Scheduler  # type: ignore[attr-defined]
+    path = tmp_path / "decode-0.kv-load-failures.jsonl"
+    assert engine_hooks.patch_kv_failures(sched, str(path))
+    assert not engine_hooks.patch_kv_failures(sched, str(path))  # once
+    assert any(p.match(sched.__name__) for p, _, _ in engine_hooks.HOOKS)
+    quiet = Scheduler(recompute=True)
+    assert quiet._handle_failed_recving({"cmpl-a-0-d"}) == set()  # vLLM's answer unchanged
+    assert quiet._handle_invalid_blocks({7}, {}) == {"sync-7"}
+    Scheduler(recompute=False)._handle_failed_recving({"cmpl-b-0-d"})
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert lines[0]["hook"] == "kv_load_failures"
+    assert [(r["request_id"], r["policy"]) for r in lines[1:]] == [
+        ("cmpl-a-0-d", "recompute"), ("sync-7", "recompute"), ("cmpl-b-0-d", "fail")]  # fmt: skip

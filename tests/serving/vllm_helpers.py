@@ -12,12 +12,14 @@ import contextlib
 import json
 import random
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
+from aiohttp import web
 
 from pdx.serving.deploy_config import load_deploy_config
 from pdx.serving.engines.env import VENV_NAME, EngineUnavailable, discover
@@ -91,3 +93,33 @@ def metrics_text(url: str) -> str:
     """An instance's (or the gateway's) Prometheus text."""
     with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
         return str(r.read().decode())
+
+
+@contextlib.asynccontextmanager
+async def side_channel_cut(prefill: str) -> AsyncIterator[str]:
+    """A relay in front of prefill that sends decode to a NIXL side channel nobody listens on
+    (port 9, an engine id no prefill has): decode's KV load fails; its URL."""
+
+    async def relay(request: web.Request) -> web.Response:
+        body = await request.json()
+        async with (
+            aiohttp.ClientSession() as s,
+            s.post(prefill + "/v1/completions", json=body) as r,
+        ):
+            data = await r.json()
+        params = data.get("kv_transfer_params") or {}
+        params.update(remote_port=9, remote_engine_id="unreachable-prefill")
+        return web.json_response(data)
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", relay)
+    app.router.add_get("/health", lambda _: web.json_response({}))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()

@@ -27,15 +27,25 @@ sometimes not seen (measured here: a reader sleeping through a write for the who
 request behind it waiting; with a 0 busy window it happens on most requests, so 0 is not a
 setting to use). With the variable set, the reader looks at least that often, so a missed
 notification costs at most that long.
+
+``PDX_VLLM_KV_FAILURES`` — a path. vLLM's scheduler handles every KV load that failed (a
+transfer, a handshake, blocks that came back invalid, an expired read) in two methods,
+``_handle_failed_recving`` and ``_handle_invalid_blocks``; with
+``kv_load_failure_policy: recompute`` it then recomputes the prompt and nothing outside vLLM
+can tell (the request succeeds). With the variable set, both methods also append one JSON line
+per affected request to that file (``{"request_id": ..., "t": ...}``), after a first line
+saying the hook is in place, so that "no line" can mean "no failed load".
 """
 
 from __future__ import annotations
 
 import importlib.abc
 import importlib.machinery
+import json
 import os
 import re
 import sys
+import time
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
@@ -43,6 +53,7 @@ from typing import Any
 NIXL_ENV = "PDX_NIXL_PROGRESS_DELAY_US"
 SHM_ENV = "PDX_VLLM_SHM_BUSY_LOOP_S"
 RECHECK_ENV = "PDX_VLLM_SHM_RECHECK_MS"
+KV_FAILURES_ENV = "PDX_VLLM_KV_FAILURES"
 
 
 def _env_number(name: str) -> float | None:
@@ -122,11 +133,61 @@ def _shm(module: ModuleType) -> None:
         patch_recheck(module, max(1, int(recheck)))
 
 
+def _append(path: str, record: dict[str, Any]) -> None:
+    record = {**record, "t": time.time(), "pid": os.getpid()}
+    # One short line per write in append mode: lines from several processes stay whole.
+    # A record that cannot be written must not take the engine down with it.
+    try:
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+    except OSError:
+        pass
+
+
+def patch_kv_failures(module: ModuleType, path: str) -> bool:
+    """Record each request whose KV load failed, as vLLM's scheduler handles it."""
+    cls = getattr(module, "Scheduler", None)
+    names = ("_handle_failed_recving", "_handle_invalid_blocks")
+    if cls is None or not all(callable(getattr(cls, n, None)) for n in names):
+        return False
+    if getattr(getattr(cls, names[0]), "_pdx_patched", False):
+        return False
+
+    def wrap(name: str) -> Callable[..., Any]:
+        inner = getattr(cls, name)
+
+        def handler(self: Any, *args: Any, **kwargs: Any) -> Any:
+            # recompute: the method returns what it fails (nothing) and queues the rest in
+            # failed_recving_kv_req_ids; fail: it returns every affected request.
+            before = set(getattr(self, "failed_recving_kv_req_ids", ()) or ())
+            out = inner(self, *args, **kwargs)
+            after = set(getattr(self, "failed_recving_kv_req_ids", ()) or ())
+            policy = "recompute" if getattr(self, "recompute_kv_load_failures", False) else "fail"
+            for rid in sorted(set(out or ()) | (after - before)):
+                _append(path, {"request_id": str(rid), "policy": policy, "via": name})
+            return out
+
+        handler._pdx_patched = True  # type: ignore[attr-defined]
+        return handler
+
+    for name in names:
+        setattr(cls, name, wrap(name))
+    _append(path, {"hook": "kv_load_failures"})
+    return True
+
+
+def _kv_failures(module: ModuleType) -> None:
+    path = os.environ.get(KV_FAILURES_ENV)
+    if path:
+        patch_kv_failures(module, path)
+
+
 # module name pattern → its hook, and the variables that turn it on
 HOOKS: list[tuple[re.Pattern[str], Callable[[ModuleType], None], tuple[str, ...]]] = [
     (re.compile(r"^nixl(_cu\d+|_rocm)?\._api$"), _nixl, (NIXL_ENV,)),
     (re.compile(r"^vllm\.distributed\.device_communicators\.shm_broadcast$"), _shm,
      (SHM_ENV, RECHECK_ENV)),
+    (re.compile(r"^vllm\.v1\.core\.sched\.scheduler$"), _kv_failures, (KV_FAILURES_ENV,)),
 ]  # fmt: skip
 
 

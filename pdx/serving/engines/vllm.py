@@ -54,6 +54,12 @@ class EngineStartError(ServingError):
     """An instance exited or did not answer ``/health`` in time (the message says which)."""
 
 
+def kv_failures_path(audit_dir: Path, name: str) -> Path:
+    """Where decode instance ``name`` records the requests whose KV load failed
+    (``PDX_VLLM_KV_FAILURES``, see engine_hooks.py)."""
+    return audit_dir / f"{name}.kv-load-failures.jsonl"
+
+
 @dataclass
 class Instance:
     """One vLLM server: where it listens and what it is given."""
@@ -287,6 +293,8 @@ class VLLMEngines:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, inst.cpus))
         if inst.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(inst.gpu)
+        if inst.role == "decode" and self.cfg.kv.audit_dir is not None:
+            env["PDX_VLLM_KV_FAILURES"] = str(kv_failures_path(self.cfg.kv.audit_dir, inst.name))
         return {**env, **v.env}
 
     async def spawn(self, child: ChildLike) -> None:
@@ -296,6 +304,8 @@ class VLLMEngines:
             kill_group(child.proc.pid)
         log_dir = self.cfg.vllm.log_dir or self.work_dir
         log_dir.mkdir(parents=True, exist_ok=True)
+        if self.cfg.kv.audit_dir is not None:
+            self.cfg.kv.audit_dir.mkdir(parents=True, exist_ok=True)
         child.log_path = log_dir / f"{child.name}.log"
         with child.log_path.open("ab") as log:
             child.proc = await asyncio.create_subprocess_exec(

@@ -324,6 +324,8 @@ class EngineFlow(Flow):
             "kv_id": pr.remote_request_id if pr and self.transfer_outcome else None,
             "remote_tokens": pr.remote_tokens if pr and shipped else 0,
             "remote_blocks": pr.remote_blocks if pr and shipped else 0,
+            # The id decode got with the KV handle: what its KV-load failure records name.
+            "decode_request_id": self._rid("d") if pr else None,
             "timings_ms": {
                 "ttft": ms((self.ttft_s or 0.0) * 1e3),
                 "e2e": ms(e2e_s * 1e3),
