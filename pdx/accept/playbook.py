@@ -254,6 +254,12 @@ class Judgement(BaseModel):
     idle_burst_s: PositiveFloat = Field(
         default=1.0, description="idle-gap: requests sent this long after the gap are the burst"
     )
+    repeat_tolerance: Annotated[float, Field(ge=0, lt=1, allow_inf_nan=False)] = Field(
+        default=0.1,
+        description="--repeat: runs whose measured values differ by less than this fraction of "
+        "the threshold agree for the verdict, however significant the difference (it cannot "
+        "move the decision); 0: any significant difference makes the step unstable",
+    )
 
     @field_validator("confidence")
     @classmethod

@@ -4,7 +4,7 @@ Per (criterion, step): every run's measured value and interval, the across-run m
 Student t interval (what the repeat judges: pass when the whole t interval clears the
 threshold) and the coefficient of variation. A row is unstable when the runs disagree beyond
 what their own samples explain, tested per kind of figure and corrected for the number of rows
-(Holm, at 1 − confidence):
+(Holm, at 1 − confidence), by at least ``judgement.repeat_tolerance`` of the threshold:
 
 - rates (k of n): a χ² test of homogeneity (Fisher's exact test for two runs);
 - rates per exposure (retries per transfer): a χ² test of the counts against the exposures;
@@ -53,7 +53,13 @@ class RepeatRow(BaseModel):
     cv: float | None = Field(description="sample standard deviation / mean")
     test: str = Field(default="", description="how the runs were compared")
     p_value: float | None = Field(default=None, description="of that test, before correction")
-    unstable: bool = Field(description="the runs disagree beyond their sampling spread (Holm)")
+    significant: bool = Field(
+        default=False, description="the runs disagree beyond their sampling spread (Holm)"
+    )
+    unstable: bool = Field(
+        description="significant, and the runs differ by at least judgement.repeat_tolerance "
+        "of the threshold: enough to move the decision"
+    )
 
 
 class RepeatSummary(BaseModel):
@@ -167,13 +173,32 @@ def _holm(p_values: list[float | None], alpha: float) -> list[bool]:
     return reject
 
 
-def summarize_runs(reports: list[Report], dirs: list[Path], confidence: float) -> RepeatSummary:
-    """Across-run statistics of every (criterion, step) and the combined verdict."""
+def material(values: list[float], threshold: float | None, tolerance: float) -> bool:
+    """The runs' spread is at least ``tolerance`` of the threshold (any spread for 0)."""
+    if len(values) < 2:
+        return False
+    spread = max(values) - min(values)
+    if threshold is None:
+        return spread > 0
+    return spread > 0 and spread >= tolerance * abs(threshold)
+
+
+def summarize_runs(
+    reports: list[Report], dirs: list[Path], confidence: float, tolerance: float = 0.1
+) -> RepeatSummary:
+    """Across-run statistics of every (criterion, step) and the combined verdict.
+
+    A row is unstable when the runs disagree beyond their own sampling spread (Holm) *and*
+    by at least ``tolerance`` of the threshold: on a shared machine whole runs differ by a
+    few per cent that their large samples show as significant, and a difference that small
+    against the threshold cannot change the decision.
+    """
     keys: dict[tuple[str, str], str] = {}
     for r in reports:
         for c in r.criteria:
             keys.setdefault((c.name, c.step), c.unit)
     rows, p_values, flagged = [], [], []
+    row_threshold: dict[tuple[str, str], float | None] = {}
     for (name, step), unit in keys.items():
         found = [next((c for c in r.criteria if (c.name, c.step) == (name, step)), None)
                  for r in reports]  # fmt: skip
@@ -183,6 +208,7 @@ def summarize_runs(reports: list[Report], dirs: list[Path], confidence: float) -
         sd = float(np.std(present, ddof=1)) if len(present) > 1 else None
         bounds = mean_bounds(present, confidence) if confidence > 0 else None
         threshold = next((c.threshold for c in found if c is not None), None)
+        row_threshold[(name, step)] = threshold
         mean_result = None
         if bounds is not None and threshold is not None and len(present) > 1:
             mean_result = decide(bounds, threshold, criterion_spec(name)[0])
@@ -208,7 +234,11 @@ def summarize_runs(reports: list[Report], dirs: list[Path], confidence: float) -
         )
     rejected = _holm(p_values, 1.0 - confidence if confidence > 0 else 0.05)
     for row, by_test, by_rule in zip(rows, rejected, flagged, strict=True):
-        row.unstable = by_test or by_rule
+        row.significant = by_test or by_rule
+        present = [v for v in row.measured if v is not None]
+        row.unstable = row.significant and (
+            by_rule or material(present, row_threshold[(row.criterion, row.step)], tolerance)
+        )
     unstable = sorted({r.step for r in rows if r.unstable})
     verdicts: list[str] = [r.verdict for r in reports]
     mean_results = {r.mean_result for r in rows}
@@ -261,11 +291,16 @@ def repeat_rows(summary: RepeatSummary) -> list[list[str]]:
                 "—" if r.cv is None else f"{r.cv:.1%}",
                 r.mean_result or "—",
                 " / ".join(r.results),
-                ("UNSTABLE" if r.unstable else "stable")
-                + (f" (p={r.p_value:.2g})" if r.p_value is not None else ""),
+                _agreement(r) + (f" (p={r.p_value:.2g})" if r.p_value is not None else ""),
             ]
         )
     return out
+
+
+def _agreement(r: RepeatRow) -> str:
+    if r.unstable:
+        return "UNSTABLE"
+    return "differs, within tolerance" if r.significant else "stable"
 
 
 REPEAT_HEADERS = [

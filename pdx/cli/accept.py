@@ -79,7 +79,7 @@ def _repeat(
         dirs.append(run.report_dir)
         if not as_json:
             err_console().print(f"run {i + 1}/{times}: {run.report.verdict} ({run.report_dir})")
-    summary = summarize_runs(reports, dirs, pb.judgement.confidence)
+    summary = summarize_runs(reports, dirs, pb.judgement.confidence, pb.judgement.repeat_tolerance)
     path = write_summary(summary, root)
 
     def render(console: Any, data: Any) -> None:

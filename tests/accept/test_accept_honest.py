@@ -216,6 +216,22 @@ def test_repeat_rates_judged_by_their_sampling_spread_with_holm() -> None:
     assert apart.verdict == "INCONCLUSIVE"
 
 
+def test_repeat_a_real_difference_too_small_to_move_the_decision_is_not_unstable() -> None:
+    def rates(*ks: int) -> list[Report]:
+        return _runs([[_c("error_rate_max", k / 30000, 0.5, 30000, "Clopper-Pearson")]
+                      for k in ks])  # fmt: skip
+
+    dirs = [Path("a"), Path("b"), Path("c")]
+    # 0, 60 and 1 errors in 30,000: beyond sampling spread, but 0.2 % apart against 50 %.
+    small = summarize_runs(rates(0, 60, 1), dirs, C)
+    (row,) = small.rows
+    assert row.significant and row.p_value is not None and row.p_value < 0.001
+    assert not row.unstable and small.unstable_steps == [] and small.verdict == "GO"
+    # With no tolerance the same runs make the step unstable.
+    strict = summarize_runs(rates(0, 60, 1), dirs, C, tolerance=0.0)
+    assert strict.rows[0].unstable and strict.verdict == "INCONCLUSIVE"
+
+
 # --- real runs ---------------------------------------------------------------------------
 
 
