@@ -19,7 +19,14 @@ from typing import Any
 import aiohttp
 import pytest
 from typer.testing import CliRunner
-from vllm_helpers import metrics_text, post, side_channel_cut, unique_prompt, vllm_deployment
+from vllm_helpers import (
+    engine_gateway,
+    metrics_text,
+    post,
+    side_channel_cut,
+    unique_prompt,
+    vllm_deployment,
+)
 
 from pdx.serving.engines.metrics import engine_counters, sample_sum
 from pdx.serving.supervisor import Deployment
@@ -206,17 +213,8 @@ async def cut_side_channel(pair: Deployment) -> AsyncIterator[str]:
 async def test_a_failed_kv_load_is_recomputed_and_labelled(
     pair: Deployment, cut_side_channel: str
 ) -> None:
-    from pdx.serving.backends.tokenizer import ByteTokenizer
-    from pdx.serving.deploy_config import load_deploy_config
-    from pdx.serving.gateway.engine_app import build_engine_gateway
-
     _, _, decode, model = _urls(pair)
-    cfg = load_deploy_config(dotted=["engine=vllm", f"vllm.decode_urls=[{decode}]"])
-    gw = build_engine_gateway(
-        cfg, [("prefill-0", cut_side_channel)], [("decode-0", decode)], tokenizer=ByteTokenizer(),
-        max_context_tokens=2048, model_name=model, served_model=model,
-        kv_bytes_for=lambda n: 0, vocab_size=260,
-    )  # fmt: skip
+    gw = engine_gateway(cut_side_channel, decode, model)
     await gw.start("127.0.0.1", 0)
     try:
         prompt = unique_prompt(300, 7)

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from vllm_helpers import side_channel_cut, unique_prompt, vllm_deployment
+from vllm_helpers import engine_gateway, side_channel_cut, unique_prompt, vllm_deployment
 
 from pdx.accept.criteria import judge_step
 from pdx.accept.gates import engine_silent_fallback
@@ -61,10 +61,6 @@ def _judged(rows: list[dict[str, Any]], audit: Path) -> tuple[dict[str, Any], st
 async def test_a_quiet_recompute_is_found_and_fails_the_gate(
     recomputing: tuple[Deployment, Path],
 ) -> None:
-    from pdx.serving.backends.tokenizer import ByteTokenizer
-    from pdx.serving.deploy_config import load_deploy_config
-    from pdx.serving.gateway.engine_app import build_engine_gateway
-
     dep, audit = recomputing
     ep = dep.endpoints()
     prefill, decode, model = ep.prefill[0]["url"], ep.decode[0]["url"], str(ep.model["model"])
@@ -75,12 +71,7 @@ async def test_a_quiet_recompute_is_found_and_fails_the_gate(
                                          "pass")  # fmt: skip
         # Decode sent to a side channel nobody listens on: every pull fails, vLLM recomputes.
         async with side_channel_cut(prefill) as relay:
-            cfg = load_deploy_config(dotted=["engine=vllm", f"vllm.decode_urls=[{decode}]"])
-            gw = build_engine_gateway(
-                cfg, [("prefill-0", relay)], [("decode-0", decode)], tokenizer=ByteTokenizer(),
-                max_context_tokens=2048, model_name=model, served_model=model,
-                kv_bytes_for=lambda n: 0, vocab_size=260,
-            )  # fmt: skip
+            gw = engine_gateway(relay, decode, model)
             await gw.start("127.0.0.1", 0)
             try:
                 quiet = [await _complete(s, f"http://127.0.0.1:{gw.port}", seed)

@@ -123,3 +123,16 @@ async def side_channel_cut(prefill: str) -> AsyncIterator[str]:
         yield f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+def engine_gateway(prefill: str, decode: str, model: str) -> Any:
+    """pdx's engine gateway over one prefill and one decode URL (not started)."""
+    from pdx.serving.backends.tokenizer import ByteTokenizer
+    from pdx.serving.gateway.engine_app import build_engine_gateway
+
+    cfg = load_deploy_config(dotted=["engine=vllm", f"vllm.decode_urls=[{decode}]"])
+    return build_engine_gateway(
+        cfg, [("prefill-0", prefill)], [("decode-0", decode)], tokenizer=ByteTokenizer(),
+        max_context_tokens=2048, model_name=model, served_model=model,
+        kv_bytes_for=lambda n: 0, vocab_size=260,
+    )  # fmt: skip
