@@ -65,11 +65,13 @@ class LayerCount:
     dtypes: list[str]
     analytic_bytes: int
     tensors: list[TensorCount] = field(default_factory=list)
+    other_bytes: int = 0
+    counter_bytes: int = 0
 
     @property
     def bytes(self) -> int:
-        """All bytes this layer's cache holds."""
-        return self.kv_bytes + self.conv_bytes + self.recurrent_bytes
+        """All bytes this layer's cache holds for the request (position counters aside)."""
+        return self.kv_bytes + self.conv_bytes + self.recurrent_bytes + self.other_bytes
 
     @property
     def match(self) -> bool:
@@ -356,40 +358,92 @@ def quiet_transformers() -> None:
 
 
 def cache_tensors(layer: Any, extra_state: Any = None) -> dict[str, list[Any]]:
-    """The tensors one cache layer holds, by category: kv, conv, recurrent.
+    """The tensors one cache layer holds, by category: kv, conv, recurrent, counter, other.
 
     ``kv`` holds every tensor that grows with the sequence (keys, values, indexer keys);
-    ``extra_state`` is a state the cache object keeps outside its layers (MiniMax's
-    lightning-attention state).
+    ``counter`` the position counters; ``other`` any tensor no analytic rule accounts for
+    (see :func:`named_tensors`).
     """
-    named = named_tensors(layer, extra_state)
-    out: dict[str, list[Any]] = {"kv": [], "conv": [], "recurrent": []}
-    for name, tensor in named:
-        out[name if name in ("conv", "recurrent") else "kv"].append(tensor)
+    out: dict[str, list[Any]] = {k: [] for k in ("kv", "conv", "recurrent", "counter", "other")}
+    for name, tensor in named_tensors(layer, extra_state):
+        out[_category(name)].append(tensor)
     return out
+
+
+#: Cache-layer attributes whose tensors grow with the sequence, by analytic name.
+_TOKEN_ATTRS = ("keys", "values", "indexer_keys")
+#: Cache-layer attributes holding fixed states, and the analytic name of each.
+_STATE_ATTRS = {"conv_states": "conv", "recurrent_states": "recurrent"}
+#: Cache-object attributes that keep a per-layer state outside the layers (MiniMax's
+#: lightning-attention state), listed by layer index.
+_OUTSIDE_LAYERS = ("linear_cache",)
+_WALK_DEPTH = 4
 
 
 def named_tensors(layer: Any, extra_state: Any = None) -> list[tuple[str, Any]]:
-    """``(name, tensor)`` for every tensor a cache layer holds, in a fixed order."""
-    out: list[tuple[str, Any]] = []
-    for name in ("keys", "values", "indexer_keys"):
-        tensor = getattr(layer, name, None)
-        if tensor is not None and hasattr(tensor, "numel") and tensor.numel():
-            out.append((name, tensor))
-    for name, cat in (("conv_states", "conv"), ("recurrent_states", "recurrent")):
-        states = getattr(layer, name, None)
-        if isinstance(states, dict):
-            out.extend((cat, t) for t in states.values() if t is not None)
-    if extra_state is not None and hasattr(extra_state, "numel"):
-        out.append(("recurrent", extra_state))
-    return out
+    """``(name, tensor)`` for every tensor a cache layer holds, found by walking its attributes.
+
+    Known attributes take their analytic names (``keys``, ``values``, ``indexer_keys``,
+    ``conv``, ``recurrent``); a 0-dim integer tensor is a position ``counter`` (one per cache
+    layer whatever the batch, not per-request state); any other tensor keeps its attribute
+    path, so it shows as unaccounted instead of being skipped. ``extra_state`` is a state the
+    cache object keeps outside its layers for this layer (MiniMax's lightning state).
+    """
+    out, seen = [], set()
+    for attr, value in vars(layer).items():
+        for path, tensor in walk_tensors(value, attr):
+            if id(tensor) not in seen:  # a tensor reachable twice is held once
+                seen.add(id(tensor))
+                out.append((_tensor_name(attr, path, tensor), tensor))
+    for _path, tensor in walk_tensors(extra_state, "linear_cache"):
+        out.append(("counter" if _is_counter(tensor) else "recurrent", tensor))
+    rank = {name: i for i, name in enumerate((*_TOKEN_ATTRS, "conv", "recurrent"))}
+    return sorted(out, key=lambda item: rank.get(item[0], len(rank)))
+
+
+def walk_tensors(value: Any, path: str, depth: int = 0) -> list[tuple[str, Any]]:
+    """Every non-empty tensor inside ``value`` (containers and plain objects, a few levels
+    deep), with the attribute path that reaches it."""
+    if hasattr(value, "element_size") and hasattr(value, "numel"):
+        return [(path, value)] if value.numel() else []
+    if depth >= _WALK_DEPTH or value is None or isinstance(value, str | int | float | bool):
+        return []
+    if isinstance(value, dict):
+        items = [(f"{path}[{k!r}]", v) for k, v in value.items()]
+    elif isinstance(value, list | tuple):
+        items = [(f"{path}[{i}]", v) for i, v in enumerate(value)]
+    elif hasattr(value, "__dict__") and not _is_config(value):
+        items = [(f"{path}.{k}", v) for k, v in vars(value).items()]
+    else:
+        return []
+    return [found for sub, v in items for found in walk_tensors(v, sub, depth + 1)]
+
+
+def _is_config(value: Any) -> bool:
+    """A configuration object a cache layer may keep (it holds no cache tensors)."""
+    return hasattr(value, "to_dict") and hasattr(value, "model_type")
+
+
+def _is_counter(tensor: Any) -> bool:
+    return tensor.dim() == 0 and not tensor.is_floating_point()
+
+
+def _tensor_name(attr: str, path: str, tensor: Any) -> str:
+    if attr in _TOKEN_ATTRS and path == attr:
+        return attr
+    if attr in _STATE_ATTRS:
+        return _STATE_ATTRS[attr]
+    return "counter" if _is_counter(tensor) else path
+
+
+def _category(name: str) -> str:
+    if name in _TOKEN_ATTRS:
+        return "kv"
+    return name if name in ("conv", "recurrent", "counter") else "other"
 
 
 def _nbytes(tensors: list[Any]) -> int:
     return sum(int(t.numel()) * int(t.element_size()) for t in tensors)
-
-
-_CATEGORY = {"conv": "conv", "recurrent": "recurrent"}
 
 
 def _torch_name(tensor: Any) -> str:
@@ -412,6 +466,8 @@ def _tensor_counts(named: list[tuple[str, Any]], spec: LayerSpec, seq: int) -> l
     expected += [(s.name, list(s.shape), s.dtype, s.nbytes) for s in spec.states]
     counts = []
     for name, tensor in named:
+        if name == "counter":
+            continue
         match = next((e for e in expected if e[0] == name), None)
         if match is not None:
             expected.remove(match)
@@ -436,6 +492,8 @@ def _shape_of(name: str, tensor: Any) -> list[int]:
     dims = [int(d) for d in tensor.shape]
     if name in ("conv", "recurrent"):
         return dims[1:]
+    if name not in _TOKEN_ATTRS:
+        return dims
     tokens = dims[-2] if len(dims) >= 2 else 0
     return [tokens, int(tensor.numel()) // max(tokens, 1)]
 
@@ -444,8 +502,7 @@ def count_layer(layer: Any, spec: LayerSpec, seq: int, extra_state: Any = None) 
     """Bytes one cache layer holds, tensor by tensor, against the analytic layer."""
     named = named_tensors(layer, extra_state)
     parts = cache_tensors(layer, extra_state)
-    kv_t, conv_t, rec_t = parts["kv"], parts["conv"], parts["recurrent"]
-    tensors = _tensor_counts(named, spec, seq)
+    kv_t = parts["kv"]
     tokens = int(kv_t[0].shape[-2]) if kv_t and kv_t[0].dim() >= 2 else 0
     return LayerCount(
         index=spec.index,
@@ -453,25 +510,42 @@ def count_layer(layer: Any, spec: LayerSpec, seq: int, extra_state: Any = None) 
         cache_layer=type(layer).__name__,
         tokens_held=tokens,
         kv_bytes=_nbytes(kv_t),
-        conv_bytes=_nbytes(conv_t),
-        recurrent_bytes=_nbytes(rec_t),
-        dtypes=sorted({f"{_CATEGORY.get(n, 'kv')}:{_torch_name(t)}" for n, t in named}),
+        conv_bytes=_nbytes(parts["conv"]),
+        recurrent_bytes=_nbytes(parts["recurrent"]),
+        dtypes=sorted({f"{_category(n)}:{_torch_name(t)}" for n, t in named if n != "counter"}),
         analytic_bytes=spec.bytes_for(seq),
-        tensors=tensors,
+        tensors=_tensor_counts(named, spec, seq),
+        other_bytes=_nbytes(parts["other"]),
+        counter_bytes=_nbytes(parts["counter"]),
     )
 
 
 def count_cache(cache: Any, spec: KVSpec, seq: int) -> list[LayerCount]:
-    """Per-layer counts of a transformers cache object against ``spec``."""
+    """Per-layer counts of a transformers cache object against ``spec``.
+
+    Every tensor the cache object holds is attributed to a layer; one outside its layers
+    that is not a position counter is an error naming it.
+    """
     layers = list(getattr(cache, "layers", []))
     if len(layers) != len(spec.layers):
         raise MeasurementError(
             f"the cache has {len(layers)} layers but the config describes {len(spec.layers)}"
         )
-    extra = list(getattr(cache, "linear_cache", []) or [])
+    loose = [
+        path
+        for attr, value in vars(cache).items()
+        if attr != "layers" and attr not in _OUTSIDE_LAYERS
+        for path, tensor in walk_tensors(value, attr)
+        if not _is_counter(tensor)
+    ]
+    if loose:
+        raise MeasurementError(
+            f"{type(cache).__name__} holds tensors outside its layers: {', '.join(loose[:5])}"
+        )
+    extra = [v for attr in _OUTSIDE_LAYERS for v in (getattr(cache, attr, None) or [])]
     extra += [None] * (len(layers) - len(extra))
     return [
-        count_layer(layer, ls, seq, state if hasattr(state, "numel") else None)
+        count_layer(layer, ls, seq, state)
         for layer, ls, state in zip(layers, spec.layers, extra, strict=True)
     ]
 
@@ -525,7 +599,7 @@ def measure_empirical(
     layers = count_cache(cache, spec, seq)
     empirical = sum(la.bytes for la in layers)
     analytic = sum(la.analytic_bytes for la in layers)
-    notes = _dtype_notes(layers, dtype, run_dtype, state_dtype)
+    notes = _dtype_notes(layers, dtype, run_dtype, state_dtype) + _counter_notes(layers)
     return EmpiricalResult(
         seq=seq,
         model_run=how,
@@ -561,6 +635,18 @@ def _dtype_notes(
 _STATE_NAMES = ("conv", "recurrent")
 
 
+def _counter_notes(layers: list[LayerCount]) -> list[str]:
+    counted = [la for la in layers if la.counter_bytes]
+    if not counted:
+        return []
+    total = sum(la.counter_bytes for la in counted)
+    return [
+        f"{len(counted)} cache layers also keep a position counter (0-dim integer tensors, "
+        f"{total:,} B in all): one per layer whatever the batch, bookkeeping rather than "
+        "request state, so not counted on either side"
+    ]
+
+
 def empirical_row(result: EmpiricalResult) -> dict[str, Any]:
     """The JSON form of one empirical comparison."""
     return {
@@ -583,6 +669,8 @@ def empirical_row(result: EmpiricalResult) -> dict[str, Any]:
                 "kv_bytes": la.kv_bytes,
                 "conv_bytes": la.conv_bytes,
                 "recurrent_bytes": la.recurrent_bytes,
+                "other_bytes": la.other_bytes,
+                "counter_bytes": la.counter_bytes,
                 "dtypes": la.dtypes,
                 "empirical_bytes": la.bytes,
                 "analytic_bytes": la.analytic_bytes,

@@ -2,10 +2,11 @@
 
 The config arrives as transformers' configuration class filled it in (:mod:`pdx.kv.hfconfig`:
 class defaults, derived ``layer_types``, nested text configs); model types transformers does
-not know arrive as their raw dict. Each layer type is sized by one rule, whatever the model's
-name: attention (full, sliding, chunked), MLA (any config with ``kv_lora_rank``), MLA with a
-sparse-attention indexer, attention + SSM in one layer, and the fixed-state mixers below
-(short convolution, Mamba-1, Mamba-2, Gated DeltaNet, Kimi Delta Attention, lightning
+not know arrive as their raw dict, whose layer pattern is derived from its own pattern fields
+as the hybrids' configuration classes derive it. Each layer type is sized by one rule, whatever
+the model's name: attention (full, sliding, chunked), MLA (any config with ``kv_lora_rank``),
+MLA with a sparse-attention indexer, attention + SSM in one layer, and the fixed-state mixers
+below (short convolution, Mamba-1, Mamba-2, Gated DeltaNet, Kimi Delta Attention, lightning
 attention), each read from its own config fields. ``tests/kv/test_kv_families.py`` checks the
 rules against real forward passes, tensor by tensor.
 """
@@ -152,17 +153,25 @@ def layer_types(cfg: dict[str, Any], model_type: str) -> list[str]:
 
 
 def _layer_types(f: Fields) -> list[str]:
-    n = f.int("num_hidden_layers")
-    explicit = f.optional("layer_types")
-    known = explicit is not None
-    types = _checked_types(f, explicit, n) if known else _inferred_types(f, n)
+    key = "layer_types" if f.optional("layer_types") is not None else "layers_block_type"
+    explicit = f.optional(key)  # Zamba, Zamba2 and Nemotron-H name their list layers_block_type
+    n = _layer_count(f, explicit)
+    types = _checked_types(f, key, explicit, n) if explicit is not None else _inferred_types(f, n)
     return _apply_kv_sharing(f, types)
 
 
-def _checked_types(f: Fields, explicit: Any, n: int) -> list[str]:
+def _layer_count(f: Fields, explicit: Any) -> int:
+    """``num_hidden_layers``; without it, the length of the config's own layer list or pattern."""
+    listed = explicit if explicit is not None else f.optional("hybrid_override_pattern")
+    if f.optional("num_hidden_layers") is None and isinstance(listed, list | str) and listed:
+        return len(listed)
+    return f.int("num_hidden_layers")
+
+
+def _checked_types(f: Fields, key: str, explicit: Any, n: int) -> list[str]:
     if not isinstance(explicit, list) or len(explicit) != n:
         f.problems.append(
-            f"'layer_types' must list {n} entries (num_hidden_layers), got {explicit!r:.80}"
+            f"{key!r} must list {n} entries (num_hidden_layers), got {explicit!r:.80}"
         )
         return ["full_attention"] * n
     unknown = sorted({str(t) for t in explicit} - set(KNOWN_LAYER_TYPES))
@@ -176,7 +185,16 @@ def _checked_types(f: Fields, explicit: Any, n: int) -> list[str]:
 
 
 def _inferred_types(f: Fields, n: int) -> list[str]:
-    """No ``layer_types``: transformers' own inference (a window slides every layer)."""
+    """No layer list: a hybrid's pattern fields, else transformers' own inference (a window
+    slides every layer); a config with state-mixer fields but no pattern is refused."""
+    hybrid = _hybrid_pattern(f, n)
+    if hybrid is not None:
+        return hybrid
+    if any(applies(f, "") for _, applies, _ in _MIXERS):
+        f.problems.append(
+            "the config has state-mixer fields but no layer pattern (one of 'layer_types', "
+            f"'layers_block_type', {', '.join(map(repr, _PATTERN_FIELDS))})"
+        )
     if f.optional("use_sliding_window") is False:
         return ["full_attention"] * n
     if f.optional("sliding_window") is not None:
@@ -187,6 +205,49 @@ def _inferred_types(f: Fields, n: int) -> list[str]:
     if f.optional("attention_chunk_size") is not None:
         return ["chunked_attention"] * n
     return ["full_attention"] * n
+
+
+#: Fields a hybrid's configuration class derives its ``layer_types`` from (read in this order).
+_PATTERN_FIELDS = (
+    "hybrid_override_pattern",
+    "full_attention_interval",
+    "layer_group_size",
+    "attn_layer_period",
+    "attn_layer_offset",
+    "attn_layer_indices",
+    "full_attn_idxs",
+)
+#: Model types whose every layer is one kind (no pattern field).
+_EVERY_LAYER = {"mamba": "mamba", "mamba2": "mamba", "falcon_mamba": "mamba", "falcon_h1": "hybrid"}
+#: Nemotron-H's ``hybrid_override_pattern`` letters.
+_PATTERN_LETTERS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
+
+
+def _hybrid_pattern(f: Fields, n: int) -> list[str] | None:
+    """The layer pattern a raw config describes, derived as its transformers config class does
+    (a config read through transformers already carries the derived ``layer_types``)."""
+    if f.model_type in _EVERY_LAYER:
+        return [_EVERY_LAYER[f.model_type]] * n
+    pattern = f.optional("hybrid_override_pattern")
+    if isinstance(pattern, str):
+        return [_PATTERN_LETTERS.get(letter, letter) for letter in pattern]
+    interval = f.optional("full_attention_interval", "layer_group_size")
+    if isinstance(interval, int) and interval > 0:  # Qwen3-Next, Qwen3.5, Ling hybrids
+        return ["linear_attention" if (i + 1) % interval else "full_attention" for i in range(n)]
+    period, offset = f.optional("attn_layer_period"), f.optional("attn_layer_offset")
+    if isinstance(period, int) and isinstance(offset, int) and period > 0:
+        if f.model_type == "zamba":  # two Mamba layers and a shared-attention one lead
+            rest = ["hybrid" if i % period == offset else "mamba" for i in range(n - 3)]
+            return ["mamba", "mamba", "hybrid", *rest][:n]
+        return ["attention" if i % period == offset else "mamba" for i in range(n)]  # Jamba
+    for key, listed, other in (
+        ("attn_layer_indices", "attention", "mamba"),  # Bamba
+        ("full_attn_idxs", "full_attention", "conv"),  # LFM2
+    ):
+        indices = f.optional(key)
+        if isinstance(indices, list):
+            return [listed if i in indices else other for i in range(n)]
+    return None
 
 
 def _apply_kv_sharing(f: Fields, types: list[str]) -> list[str]:
@@ -338,14 +399,22 @@ def _mamba2_heads(f: Fields) -> Any:
     )
 
 
+_MAMBA2_HEAD_DIM = ("mamba_d_head", "mamba_head_dim", "mamba_headdim")
+_MAMBA2_GROUPS = ("mamba_n_groups", "n_groups", "mamba_ngroups", "mamba_num_groups")
+
+
+def _is_mamba2(f: Fields) -> bool:
+    """Mamba heads; not Zamba's, which split Mamba-1 channels (no head size, no groups)."""
+    if f.model_type != "zamba":
+        return _mamba2_heads(f) is not None
+    return f.optional(*_MAMBA2_HEAD_DIM, *_MAMBA2_GROUPS) is not None
+
+
 def _mamba2(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
     heads = f.int("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", default=_mamba2_heads(f))
-    if f.model_type == "mamba2":
-        head = f.int("head_dim")
-    else:
-        head = f.int("mamba_d_head", "mamba_head_dim", "mamba_headdim")
+    head = f.int("head_dim") if f.model_type == "mamba2" else f.int(*_MAMBA2_HEAD_DIM)
     d_state = f.int("mamba_d_state", "ssm_state_size", "state_size")
-    groups = f.int("mamba_n_groups", "n_groups", "mamba_ngroups", "mamba_num_groups")
+    groups = f.int(*_MAMBA2_GROUPS)
     kernel = f.int("mamba_d_conv", "conv_kernel")
     conv_dim = heads * head + 2 * groups * d_state
     states = (
@@ -361,11 +430,13 @@ def _mamba1(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
     inner = int(expand * hidden) if expand is not None else f.int("intermediate_size")
     d_state = f.int("mamba_d_state", "state_size", "ssm_state_size")
     kernel = f.int("mamba_d_conv", "conv_kernel")
+    heads = f.optional("n_mamba_heads")  # Zamba: one scan per head over inner / heads channels
+    ssm = (inner, d_state) if heads is None else (heads, inner // f.int("n_mamba_heads"), d_state)
     states = (
         StateTensor("conv", (inner, kernel), dt.model),
-        StateTensor("recurrent", (inner, d_state), dt.recurrent("mamba1", f)),
+        StateTensor("recurrent", ssm, dt.recurrent("mamba1", f)),
     )
-    return states, f"Mamba conv {inner}x{kernel} + ssm {inner}x{d_state}"
+    return states, f"Mamba conv {inner}x{kernel} + ssm {'x'.join(map(str, ssm))}"
 
 
 _MIXERS: tuple[tuple[str, Callable[[Fields, str], bool], _StateRule], ...] = (
@@ -374,7 +445,7 @@ _MIXERS: tuple[tuple[str, Callable[[Fields, str], bool], _StateRule], ...] = (
      _gated_deltanet),
     ("kda", lambda f, n: f.optional("linear_num_heads") is not None, _kda),
     ("lightning", lambda f, n: f.optional("linear_attn_alpha_factor") is not None, _lightning),
-    ("mamba2", lambda f, n: _mamba2_heads(f) is not None, _mamba2),
+    ("mamba2", lambda f, n: _is_mamba2(f), _mamba2),
     ("mamba1", lambda f, n: f.optional("mamba_d_state", "state_size") is not None, _mamba1),
 )  # fmt: skip
 

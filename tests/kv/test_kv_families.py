@@ -51,6 +51,11 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "mamba_head_dim": 32, "ssm_state_size": 8, "n_groups": 2, "chunk_size": 16, **MOE2,
         "moe_shared_expert_intermediate_size": 32,
     },
+    "zamba_multihead_mamba_and_shared_attention": {
+        "model_type": "zamba", **KV2, "num_hidden_layers": 4,
+        "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"], "mamba_d_state": 8,
+        "n_mamba_heads": 2, "mamba_d_conv": 3,
+    },
     "zamba2_mamba2_and_shared_attention": {
         "model_type": "zamba2", **KV2, "num_hidden_layers": 4,
         "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"], "mamba_d_state": 8,
@@ -92,6 +97,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "model_type": "qwen3_5_text", **KV2, "num_hidden_layers": 2, "head_dim": 16,
         "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+    },
+    "mamba_only": {
+        "model_type": "mamba", "hidden_size": 64, "vocab_size": 256, "num_hidden_layers": 2,
+        "state_size": 8, "conv_kernel": 3, "expand": 2,
+    },
+    "olmo_hybrid_gated_deltanet": {
+        "model_type": "olmo_hybrid", **KV2, "num_hidden_layers": 2, "pad_token_id": 0,
+        "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 3,
+    },
+    "lfm3_conv_sliding_full": {
+        "model_type": "lfm3", **KV2, "num_hidden_layers": 5, "head_dim": 16, "conv_L_cache": 3,
+        "sliding_window": 8, "pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2,
+    },
+    "bailing_hybrid_kda_and_mla": {
+        "model_type": "bailing_hybrid", **TINY, "num_key_value_heads": 4, "num_hidden_layers": 2,
+        **MLA_TINY, "head_dim": 16, "layer_group_size": 2, "num_local_experts": 2,
+        "num_experts_per_tok": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
+        "n_group": 1, "topk_group": 1, "pad_token_id": 0, "eos_token_id": 1,
     },
     "deepseek_v3_mla": {
         "model_type": "deepseek_v3", **TINY, "num_key_value_heads": 4, "num_hidden_layers": 2,
