@@ -191,17 +191,28 @@ class GatewayConfig(BaseModel):
 
 
 class SupervisorConfig(BaseModel):
-    """How child processes are watched."""
+    """How child processes are watched: a crashed child is restarted, never given up on."""
 
     model_config = _Strict
-    max_restarts: int = Field(3, ge=0, description="restarts of one child within the window")
-    restart_window_s: float = Field(
-        600.0, gt=0, description="crashes older than this no longer count against the budget"
+    max_restarts: int = Field(
+        3, ge=0, description="restarts of a run after backoff_initial_s; later ones back off"
     )
-    backoff_initial_s: float = Field(0.5, gt=0)
-    backoff_max_s: float = Field(10.0, gt=0)
+    restart_window_s: float = Field(
+        600.0, gt=0, description="a child up this long starts a fresh run (back-off reset)"
+    )
+    backoff_initial_s: float = Field(1.0, gt=0, description="the wait before a restart")
+    backoff_max_s: float = Field(60.0, gt=0, description="the doubling wait's cap")
     ready_timeout_s: float = Field(120.0, gt=0)
     shutdown_grace_s: float = Field(5.0, gt=0)
+
+    @model_validator(mode="after")
+    def _cap_above_start(self) -> SupervisorConfig:
+        if self.backoff_max_s < self.backoff_initial_s:
+            raise ValueError(
+                f"supervisor.backoff_max_s: {self.backoff_max_s:g} is below backoff_initial_s "
+                f"{self.backoff_initial_s:g}"
+            )
+        return self
 
 
 class Resources(BaseModel):

@@ -4,11 +4,12 @@ Decode score (higher is better), for a healthy instance with room::
 
     score = kv_free_bytes / kv_budget_bytes  -  (queue_depth + in_flight) / (max_batch + max_queue)
 
-An instance is a candidate only when healthy and ``in_flight < max_batch + max_queue``; with
-no candidate the request is refused early (HTTP 429 + Retry-After), never queued without
-bound. A ``user``/session key sticks to the instance that served it while that instance is
-a candidate. Prompts shorter than ``local_prefill_max_tokens`` prefill locally on decode;
-an open circuit breaker sends ``auto`` traffic local too.
+An instance is a candidate only when healthy, not down (its process restarting, per the
+supervisor) and ``in_flight < max_batch + max_queue``; with no candidate the request is
+refused early (HTTP 429 + Retry-After when all are full, 503 + Retry-After when none is up),
+never queued without bound. A ``user``/session key sticks to the instance that served it
+while that instance is a candidate. Prompts shorter than ``local_prefill_max_tokens``
+prefill locally on decode; an open circuit breaker sends ``auto`` traffic local too.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class DecodeInstance:
     kv_budget_bytes: int = 1
     kv_free_bytes: int = 1
     in_flight: int = 0
+    down: bool = False  # its process is down, says the supervisor (restarting)
 
     @property
     def capacity(self) -> int:
@@ -47,7 +49,7 @@ class DecodeInstance:
 
     def score(self) -> float | None:
         """The documented score, or None when it cannot take a request now."""
-        if not self.healthy or self.in_flight >= self.capacity:
+        if not self.healthy or self.down or self.in_flight >= self.capacity:
             return None
         free = self.kv_free_bytes / max(1, self.kv_budget_bytes)
         return free - (self.queue_depth + self.in_flight) / max(1, self.capacity)
@@ -62,6 +64,7 @@ class PrefillInstance:
     stub: Any = None
     healthy: bool = True
     in_flight: int = 0
+    down: bool = False  # its process is down, says the supervisor (restarting)
 
 
 class CircuitBreaker:
@@ -170,7 +173,7 @@ class Router:
 
     def pick_prefill(self) -> PrefillInstance | None:
         """The healthy prefill instance with the fewest requests in flight."""
-        healthy = [p for p in self.prefills if p.healthy]
+        healthy = [p for p in self.prefills if p.healthy and not p.down]
         return min(healthy, key=lambda p: p.in_flight) if healthy else None
 
     def decide(self, requested: str, prompt_tokens: int, user: str | None) -> Decision | None:

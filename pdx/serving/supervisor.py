@@ -4,9 +4,10 @@
 and M decode processes (each binds an ephemeral port unless told otherwise and announces
 itself on stdout with one ``PDX-READY {json}`` line), optionally puts a fault proxy in front
 of each KV store, then starts the gateway in this process. A child that dies is restarted
-on the same ports with exponential backoff, up to ``max_restarts`` within
-``restart_window_s``; past that the
-deployment fails loudly. ``stop()`` shuts everything down (SIGTERM, grace, then SIGKILL).
+on the same ports, for as long as the deployment runs, after the back-off of
+:mod:`pdx.serving.restarts`; its :class:`RestartBoard` is how the gateway (same process)
+learns which child is down and when the next attempt is. ``stop()`` shuts everything down
+(SIGTERM, grace, then SIGKILL).
 """
 
 from __future__ import annotations
@@ -29,13 +30,14 @@ from typing import Any
 from pdx.errors import PdxError
 from pdx.serving.deploy_config import DeployConfig
 from pdx.serving.node import READY_PREFIX
+from pdx.serving.restarts import RestartBoard
 
 CERT_NAMES = ("kv-store", "prefill", "decode", "gateway")
 log = logging.getLogger("pdx.deploy")
 
 
 class DeployError(PdxError):
-    """The deployment could not start or lost a child past its restart budget."""
+    """The deployment could not start, or its supervision itself failed."""
 
 
 @dataclass
@@ -46,8 +48,6 @@ class Child:
     index: int
     proc: asyncio.subprocess.Process | None = None
     info: dict[str, Any] = field(default_factory=dict)
-    restarts: int = 0
-    crashes: list[float] = field(default_factory=list)  # monotonic times within the window
     log_path: Path | None = None
 
     @property
@@ -89,7 +89,8 @@ class Deployment:
         self.controls: list[Any] = []
         self.gateway: Any = None
         self.engines: Any = None  # VLLMEngines with engine: vllm
-        self.failed: str | None = None
+        self.board = RestartBoard(cfg.supervisor)
+        self.failed: str | None = None  # supervision itself broke (never a child's crash)
         self._stopping = False
         self._watchers: list[asyncio.Task[None]] = []
 
@@ -107,6 +108,8 @@ class Deployment:
         self.children += [Child("decode", i) for i in range(self.cfg.decode.count)]
         if self.cfg.engine == "vllm":
             self.children = await self._prepare_engines()
+        for c in self.children:
+            self.board.add(c.role, c.index)
         try:
             await asyncio.gather(*(self._spawn(c) for c in self.children))
             await self._start_proxies()
@@ -161,9 +164,14 @@ class Deployment:
             raise DeployError(f"{child.name}: {exc}") from None
 
     async def _spawn(self, child: Child) -> None:
+        self.board.starting(child.name)
         if self.engines is not None:
             await self._spawn_engine(child)
-            return
+        else:
+            await self._spawn_node(child)
+        self.board.up(child.name)
+
+    async def _spawn_node(self, child: Child) -> None:
         child.log_path = self.work_dir / f"{child.name}.log"
         logf = child.log_path.open("ab")
         try:
@@ -176,7 +184,7 @@ class Deployment:
         try:
             info = await asyncio.wait_for(self._read_ready(child), timeout)
         except TimeoutError:
-            raise DeployError(f"{child.name} not ready within {timeout:.0f} s") from None
+            raise DeployError(f"{child.name} not ready within {timeout:g} s") from None
         child.info = {**info, "pid": child.proc.pid}
 
     async def _read_ready(self, child: Child) -> dict[str, Any]:
@@ -217,7 +225,7 @@ class Deployment:
     async def _start_engine_gateway(self) -> None:
         from pdx.serving.gateway.engine_app import gateway_for_engines
 
-        self.gateway = await gateway_for_engines(self.cfg, self.engines)
+        self.gateway = await gateway_for_engines(self.cfg, self.engines, restarts=self.board)
         await self.gateway.start(self.cfg.gateway.host, self.cfg.gateway.port)
 
     async def _start_gateway(self) -> None:
@@ -244,6 +252,7 @@ class Deployment:
             max_context_tokens=int(info.get("max_context_tokens", 1024)),
             model_name=str(info.get("model", cfg.model.preset)),
             synthetic=bool(info.get("synthetic", False)),
+            restarts=self.board,
         )
         prefill_children = [c for c in self.children if c.role == "prefill"] if self.proxies else []
         for proxy, c in zip(self.proxies, prefill_children, strict=True):
@@ -299,36 +308,38 @@ class Deployment:
     # --- supervision ---------------------------------------------------------------
 
     async def _watch(self, child: Child) -> None:
-        sup = self.cfg.supervisor
+        try:
+            await self._restart_forever(child)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug here would silently end the restarts: stop loudly
+            log.exception("supervising %s failed", child.name)
+            self.failed = f"supervising {child.name} failed: {exc!r}"
+
+    async def _restart_forever(self, child: Child) -> None:
+        """Restart ``child`` each time it exits, after the board's back-off; never give up."""
         while not self._stopping:
             assert child.proc is not None
             code = await child.proc.wait()
             if self._stopping:
                 return
-            # The budget is per window: crashes spaced further apart than restart_window_s
-            # (each after a recovery) never add up to stopping the deployment.
-            now = time.monotonic()
-            child.crashes = [t for t in child.crashes if now - t < sup.restart_window_s]
-            if len(child.crashes) >= sup.max_restarts:
-                self.failed = (
-                    f"{child.name} exited with {code}; restart budget spent ({sup.max_restarts} "
-                    f"in {sup.restart_window_s:g} s)"
-                )
-                log.error(self.failed)
-                return
-            delay = min(sup.backoff_max_s, sup.backoff_initial_s * 2 ** len(child.crashes))
-            child.crashes.append(now)
-            child.restarts += 1
-            log.warning("%s exited with %s; restart %d in %.1f s", child.name, code,
-                        child.restarts, delay)  # fmt: skip
+            delay = self.board.crashed(child.name, code)
+            streak = self.board.children[child.name].streak
+            log.warning("%s exited with %s (crash %d in a row); restart in %.1f s", child.name,
+                        code, streak, delay)  # fmt: skip
             await asyncio.sleep(delay)
+            if self._stopping:
+                return
             try:
                 await self._spawn(child)
             except DeployError as exc:
+                # Not ready in time, or exited first: make sure it is gone, so the next
+                # round of the loop counts it as a crash and backs off further.
                 log.error("%s", exc)
+                await self._terminate(child)
 
     async def wait(self) -> str:
-        """Block until a child is beyond its restart budget; return why."""
+        """Block until supervision itself fails (a crashed child is restarted); return why."""
         while self.failed is None:
             await asyncio.sleep(0.2)
         return self.failed

@@ -1,84 +1,197 @@
-"""Row M4: a deployment whose decode is SIGKILLed again and again, each time after it
-recovered, keeps serving; the restart budget (``max_restarts`` within ``restart_window_s``)
-still stops a crash loop. A real `pdx deploy` Deployment with its child processes.
+"""Row M4: a crash loop never ends the deployment. Decode is SIGKILLed five times within a
+minute (each new process as soon as it exists, before it is even ready): `pdx deploy` keeps
+running, backs off, answers 503 with ``Retry-After`` while no decode is up, and serves again
+once one is; a killed prefill only sends requests to local prefill. A real `pdx deploy`
+command with its child processes, watched through the gateway's /readyz and /metrics.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
+import math
 import os
+import re
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Any
 
 import aiohttp
 import pytest
 
-from pdx.serving.deploy_config import load_deploy_config
-from pdx.serving.supervisor import Deployment
-
 pytestmark = pytest.mark.slow
 
-SETS = ["gateway.port=0", "prefill.count=0", "tls.enabled=false", "supervisor.max_restarts=2",
-        "supervisor.restart_window_s=5", "supervisor.backoff_initial_s=0.2",
+KILLS = 5
+BACKOFF_MAX_S = 2.0
+SETS = ["prefill.count=1", "tls.enabled=false", "supervisor.max_restarts=1",
+        "supervisor.backoff_initial_s=0.2", f"supervisor.backoff_max_s={BACKOFF_MAX_S}",
         "router.status_poll_ms=100"]  # fmt: skip
+ASK = {"prompt": "hi", "max_tokens": 2}
 
 
-async def recovered(dep: Deployment, old_pid: int, timeout_s: float) -> int:
-    """The new decode pid once the gateway answers a completion through it again."""
-    url = dep.endpoints().gateway
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as s:
-        while time.monotonic() < deadline:
-            pid = dep.endpoints().decode[0].get("pid")
-            if pid and pid != old_pid:
-                body = {"prompt": "hi", "max_tokens": 2}
-                try:
-                    async with s.post(f"{url}/v1/completions", json=body) as r:
-                        if r.status == 200:
-                            return int(pid)
-                except aiohttp.ClientError:
-                    pass
-            await asyncio.sleep(0.2)
-    raise AssertionError("decode did not recover")
-
-
-async def restarted(dep: Deployment, old_pid: int, timeout_s: float) -> int:
-    """The new decode pid as soon as the supervisor started it (or the old one if it gave up)."""
-    deadline = time.monotonic() + timeout_s
-    decode = next(c for c in dep.children if c.name == "decode-0")
-    while time.monotonic() < deadline and not dep.failed:
-        proc = decode.proc
-        if proc is not None and proc.pid != old_pid and proc.returncode is None:
-            return int(proc.pid)
-        await asyncio.sleep(0.02)
-    return old_pid
-
-
-async def test_m4_crashes_spaced_in_time_never_stop_the_deployment() -> None:
-    dep = Deployment(load_deploy_config(dotted=SETS))
-    await dep.start()
-    try:
-        pid = int(dep.endpoints().decode[0]["pid"])
-        recoveries = []
-        for _ in range(4):  # twice the budget, each crash after a recovery, 6 s apart
-            t0 = time.monotonic()
-            os.kill(pid, signal.SIGKILL)
-            pid = await recovered(dep, pid, 60)
-            recoveries.append(time.monotonic() - t0)
-            assert dep.failed is None
-            await asyncio.sleep(max(0.0, 6 - (time.monotonic() - t0)))
-        print(
-            f"M4: 4 crashes 6 s apart (budget 2 in 5 s): still serving; recovery "
-            f"{', '.join(f'{r:.1f}' for r in recoveries)} s"
+def start_deploy(log: Path) -> subprocess.Popen[str]:
+    """``pdx deploy --json`` with :data:`SETS`, its log (stderr) in ``log``."""
+    cmd = [sys.executable, "-c", "from pdx.cli.main import main; main()", "deploy", "--port",
+           "0", "--json", *[a for s in SETS for a in ("--set", s)]]  # fmt: skip
+    with log.open("w") as err:
+        return subprocess.Popen(
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True
         )
-        # A crash loop (each new process killed as soon as it exists) still spends the
-        # budget and stops the deployment loudly.
-        for _ in range(3):
-            os.kill(pid, signal.SIGKILL)
-            pid = await restarted(dep, pid, 30)
-            if dep.failed:
-                break
-        why = await asyncio.wait_for(dep.wait(), 30)
-        assert "restart budget spent (2 in 5 s)" in why
+
+
+def read_endpoints(proc: subprocess.Popen[str], timeout_s: float = 180) -> dict[str, Any]:
+    """The JSON document ``pdx deploy --json`` prints once ready."""
+    assert proc.stdout is not None
+    deadline, text = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"pdx deploy exited early with {proc.wait()}")
+        text += line
+        try:
+            data: dict[str, Any] = json.loads(text)
+            return data
+        except json.JSONDecodeError:
+            continue
+    raise AssertionError("pdx deploy not ready in time")
+
+
+def child_pids(work_dir: str, role: str) -> list[int]:
+    """Pids of this deployment's ``role`` processes (their command lines name both)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if work_dir.encode() in cmd and f"pdx.serving.{role}".encode() in cmd:
+                pids.append(int(entry.name))
+    return pids
+
+
+async def replacement(work_dir: str, role: str, old_pid: int, timeout_s: float) -> int:
+    """The pid of the process the supervisor started in place of ``old_pid``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        fresh = [p for p in child_pids(work_dir, role) if p != old_pid]
+        if fresh:
+            return fresh[0]
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"no new {role} process within {timeout_s} s")
+
+
+async def refused_while_down(s: aiohttp.ClientSession, url: str, timeout_s: float) -> int:
+    """The ``Retry-After`` of the 503 a completion gets while no decode is up."""
+    deadline = time.monotonic() + timeout_s
+    seen = []
+    while time.monotonic() < deadline:
+        async with s.post(f"{url}/v1/completions", json=ASK) as r:
+            seen.append(r.status)
+            if r.status == 503:
+                body = await r.json()
+                assert body["error"]["code"] == "decode_unavailable", body
+                return int(r.headers["Retry-After"])
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"no 503 while decode was down: {seen}")
+
+
+async def served(s: aiohttp.ClientSession, url: str, timeout_s: float) -> dict[str, Any]:
+    """The first 200 completion (503s with Retry-After meanwhile)."""
+    deadline = time.monotonic() + timeout_s
+    statuses: set[int] = set()
+    while time.monotonic() < deadline:
+        async with s.post(f"{url}/v1/completions", json=ASK) as r:
+            if r.status == 200:
+                data: dict[str, Any] = await r.json()
+                return data
+            statuses.add(r.status)
+            assert r.status == 503 and int(r.headers["Retry-After"]) >= 1
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"not served again within {timeout_s} s ({sorted(statuses)})")
+
+
+async def not_ready_naming(s: aiohttp.ClientSession, url: str, role: str) -> dict[str, Any]:
+    """/readyz while ``role`` is down (polled until the supervisor's view shows it)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        async with s.get(f"{url}/readyz") as r:
+            body: dict[str, Any] = await r.json()
+            if any(d["role"] == role for d in body.get("roles_down", [])):
+                return {"status": r.status, **body}
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"/readyz never named {role} down")
+
+
+async def restarts_total(s: aiohttp.ClientSession, url: str, role: str) -> float:
+    async with s.get(f"{url}/metrics") as r:
+        text = await r.text()
+    line = re.search(rf'^pdx_restarts_total\{{instance="0",role="{role}"\}} (\S+)$', text, re.M)
+    assert line, text
+    return float(line.group(1))
+
+
+async def test_m4_a_decode_crash_loop_backs_off_and_never_ends_the_deployment(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "deploy.log"
+    proc = start_deploy(log)
+    try:
+        t_start = time.monotonic()
+        ep = await asyncio.to_thread(read_endpoints, proc)
+        url, work_dir = ep["gateway"], ep["work_dir"]
+        startup_s = time.monotonic() - t_start
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:
+            # Prefill down: requests still served, prefilled on decode (labelled).
+            os.kill(ep["prefill"][0]["pid"], signal.SIGKILL)
+            async with s.post(f"{url}/v1/completions",
+                              json={**ASK, "pdx_route": "disaggregated"}) as r:  # fmt: skip
+                assert r.status == 200
+                pdx = (await r.json())["pdx"]
+            assert pdx["route"] == "local" and pdx["degrade_reason"] == "prefill_unavailable"
+
+            # Decode in a crash loop: each replacement killed as soon as it exists.
+            pid, retry_after = int(ep["decode"][0]["pid"]), []
+            t_loop = time.monotonic()
+            for kill in range(1, KILLS + 1):
+                os.kill(pid, signal.SIGKILL)
+                retry_after.append(await refused_while_down(s, url, 10))
+                assert proc.poll() is None, log.read_text()[-2000:]
+                if kill < KILLS:
+                    pid = await replacement(work_dir, "decode", pid, 30)
+            loop_s = time.monotonic() - t_loop
+            assert loop_s < 60
+            assert all(1 <= r <= math.ceil(BACKOFF_MAX_S) for r in retry_after), retry_after
+            ready = await not_ready_naming(s, url, "decode")
+            assert ready["status"] == 503 and ready["ready"] is False
+            (down,) = [d for d in ready["roles_down"] if d["role"] == "decode"]
+            decode = next(c for c in ready["children"] if c["name"] == "decode-0")
+            assert decode["restarts"] >= KILLS - 1 and decode["last_exit_code"] == -9
+
+            # Backed off, not given up: decode comes back and the same gateway serves.
+            body = await served(s, url, 120)
+            recovery_s = time.monotonic() - t_loop - loop_s
+            assert body["choices"][0]["text"] is not None and proc.poll() is None
+            decode_restarts = await restarts_total(s, url, "decode")
+            prefill_restarts = await restarts_total(s, url, "prefill")
+            assert decode_restarts >= KILLS and prefill_restarts >= 1
+            async with s.get(f"{url}/readyz") as r:
+                assert r.status == 200
+        print(
+            f"M4: started in {startup_s:.1f} s; {KILLS} decode SIGKILLs in {loop_s:.1f} s, "
+            f"deploy still up; 503 Retry-After {retry_after} s; /readyz named decode down "
+            f"(next_attempt_in_s {down['next_attempt_in_s']}); served again {recovery_s:.1f} s "
+            f"after the last kill; pdx_restarts_total decode {decode_restarts:g}, "
+            f"prefill {prefill_restarts:g}"
+        )
     finally:
-        await dep.stop()
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
+    assert rc == 0, log.read_text()[-2000:]

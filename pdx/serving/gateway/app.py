@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any
@@ -38,6 +39,7 @@ from pdx.serving.gateway.protocol import (
     validate_body,
 )
 from pdx.serving.gateway.responses import SSEWriter, completion_body, created_now
+from pdx.serving.restarts import RestartBoard
 from pdx.serving.router import DecodeInstance, PrefillInstance, Router
 from pdx.serving.rpc import channel
 from pdx.tls import TLSConfig
@@ -93,6 +95,7 @@ class Gateway:
         synthetic: bool = False,
         model_aliases: list[str] | None = None,
         threshold_for: Callable[[float], int] | None = None,
+        restarts: RestartBoard | None = None,
     ) -> None:
         self.cfg = cfg
         self.router = router
@@ -104,6 +107,9 @@ class Gateway:
         self.tls = tls
         self.poll_interval_s = poll_interval_s
         self.metrics = GatewayMetrics(model_name)
+        self.restarts = restarts  # the supervisor's view of its children (pdx deploy)
+        if restarts is not None:
+            restarts.export(self.metrics.registry)
         self.kv_route: dict[str, str] = {}  # kv endpoint → address to use (e.g. a fault proxy)
         self.vocab_size: int | None = None  # learnt from decode's Status
         self.threshold_for = threshold_for  # measured prefill TFLOP/s → local-prefill threshold
@@ -215,10 +221,35 @@ class Gateway:
         return web.json_response({"status": "ok"})
 
     async def readyz(self, request: web.Request) -> web.Response:
-        """Readiness: at least one healthy decode instance."""
-        healthy = [d.name for d in self.router.decodes if d.healthy]
-        body = {"ready": bool(healthy), "decode_healthy": healthy}
-        return web.json_response(body, status=200 if healthy else 503)
+        """Readiness: at least one healthy decode instance; under a supervisor, also each
+        child's state and, for a role with none up, when its next restart is."""
+        self._note_restarts()
+        healthy = [d.name for d in self.router.decodes if d.healthy and not d.down]
+        body: dict[str, Any] = {"ready": bool(healthy), "decode_healthy": healthy}
+        if self.restarts is not None:
+            down = self.restarts.roles_down()
+            body["roles_down"] = [
+                {"role": role, "next_attempt_in_s": _round(self.restarts.next_attempt_in_s(role))}
+                for role in down
+            ]
+            body["children"] = self.restarts.describe()
+        headers = {} if healthy else {"Retry-After": str(self._retry_after_s("decode"))}
+        return web.json_response(body, status=200 if healthy else 503, headers=headers)
+
+    def _note_restarts(self) -> None:
+        """Take the supervisor's word on which instances' processes are down right now."""
+        board = self.restarts
+        if board is None:
+            return
+        for d in self.router.decodes:
+            d.down = board.is_down(d.name)
+        for p in self.router.prefills:
+            p.down = board.is_down(p.name)
+
+    def _retry_after_s(self, role: str) -> int:
+        """Whole seconds until ``role``'s next restart attempt, else ``retry_after_s``."""
+        wait = self.restarts.next_attempt_in_s(role) if self.restarts is not None else None
+        return max(1, math.ceil(wait)) if wait is not None else self.cfg.retry_after_s
 
     def _card(self, name: str) -> ModelCard:
         return ModelCard(id=name, object="model", created=self.created, owned_by="pdx",
@@ -293,18 +324,13 @@ class Gateway:
     async def _complete(self, request: web.Request, req: CompletionRequest) -> web.StreamResponse:
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{secrets.token_hex(12)}"
         flows: list[Flow] = []
+        self._note_restarts()
         for index in range(req.n):
             decision = self.router.decide(req.route, len(req.prompt_ids), req.user)
             if decision is None:
                 for flow in flows:
                     flow.release()
-                self.metrics.rejections.labels("no_decode_capacity").inc()
-                raise HTTPProblem(
-                    429,
-                    "no decode capacity: every decode instance is full or unhealthy; retry later",
-                    "overloaded",
-                    headers={"Retry-After": str(self.cfg.retry_after_s)},
-                )
+                raise self._refusal()
             flows.append(self.flow_factory(self.ctx, req, decision, request_id=rid, index=index))
         created = created_now()
         if req.stream:
@@ -346,6 +372,21 @@ class Gateway:
                 flow.release()
         return resp
 
+    def _refusal(self) -> HTTPProblem:
+        """No decode instance can take a request: 503 while none is up, else 429 (all full)."""
+        if not any(d.healthy and not d.down for d in self.router.decodes):
+            self.metrics.rejections.labels("decode_unavailable").inc()
+            return HTTPProblem(
+                503, "no decode instance is up (restarting); retry after Retry-After seconds",
+                "decode_unavailable",
+                headers={"Retry-After": str(self._retry_after_s("decode"))},
+            )  # fmt: skip
+        self.metrics.rejections.labels("no_decode_capacity").inc()
+        return HTTPProblem(
+            429, "no decode capacity: every decode instance is full; retry later", "overloaded",
+            headers={"Retry-After": str(self.cfg.retry_after_s)},
+        )  # fmt: skip
+
     async def _client_gone(self, flow: Flow, events: AsyncGenerator[int, None]) -> None:
         """A client leaving mid-stream is normal: stop its generation, count it, one log line."""
         flow.client_gone = True
@@ -356,6 +397,10 @@ class Gateway:
             "client disconnected mid-stream: %s after %d tokens (route %s); generation stopped",
             flow.id, len(flow.outcome.tokens), route,
         )  # fmt: skip
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 async def _first(events: AsyncGenerator[int, None]) -> int | None:
@@ -386,6 +431,7 @@ def build_gateway(
     max_context_tokens: int,
     model_name: str,
     synthetic: bool = False,
+    restarts: RestartBoard | None = None,
 ) -> Gateway:
     """A gateway over named (name, host:port) prefill and decode instances."""
     router = Router(cfg.router, local_prefill_threshold(cfg))
@@ -399,6 +445,7 @@ def build_gateway(
         **naming(cfg, model_name, max_context_tokens),
         tls=tls,
         synthetic=synthetic,
+        restarts=restarts,
         threshold_for=(lambda tflops: local_prefill_threshold(cfg, tflops)) if auto else None,
     )
 

@@ -26,6 +26,7 @@ from pdx.serving.engines.metrics import merge, sample_sum
 from pdx.serving.engines.vllm import VLLMEngines
 from pdx.serving.gateway.app import Gateway, naming
 from pdx.serving.gateway.engine_flow import EngineFlow, EngineFlowContext, EngineSettings
+from pdx.serving.restarts import RestartBoard
 from pdx.serving.router import DecodeInstance, PrefillInstance, Router
 from pdx.transfer.retry import GlobalRetryBudget
 
@@ -141,6 +142,7 @@ def build_engine_gateway(
     served_model: str,
     kv_bytes_for: Callable[[int], int],
     vocab_size: int | None,
+    restarts: RestartBoard | None = None,
 ) -> EngineGateway:
     """A gateway over named (name, base URL) vLLM prefill and decode instances."""
     router = Router(cfg.router, local_prefill_threshold(cfg))
@@ -171,11 +173,15 @@ def build_engine_gateway(
         tls=None,
         engine=settings,
         vocab_size=vocab_size,
+        restarts=restarts,
     )
 
 
-async def gateway_for_engines(cfg: DeployConfig, engines: VLLMEngines) -> EngineGateway:
-    """The gateway ``pdx deploy`` runs in front of prepared (and started) engine instances."""
+async def gateway_for_engines(
+    cfg: DeployConfig, engines: VLLMEngines, *, restarts: RestartBoard | None = None
+) -> EngineGateway:
+    """The gateway ``pdx deploy`` runs in front of prepared (and started) engine instances
+    (``restarts``: the supervisor's view of them, for /readyz, /metrics and 503s)."""
     from pdx.serving.backends.tokenizer import HFTokenizer
 
     model = engines.model
@@ -198,6 +204,7 @@ async def gateway_for_engines(cfg: DeployConfig, engines: VLLMEngines) -> Engine
         served_model=served,
         kv_bytes_for=sizer,
         vocab_size=int(text["vocab_size"]) if text.get("vocab_size") else None,
+        restarts=restarts,
     )
 
 

@@ -35,7 +35,7 @@ from pdx.serving.engines.client import (
     token_logprobs,
 )
 from pdx.serving.gateway.context import FlowContext
-from pdx.serving.gateway.flow import Flow
+from pdx.serving.gateway.flow import Flow, decode_unreachable
 from pdx.serving.gateway.protocol import HTTPProblem
 from pdx.serving.router import PrefillInstance
 from pdx.transfer.retry import GlobalRetryBudget
@@ -207,6 +207,7 @@ class EngineFlow(Flow):
         except EngineUnreachable as exc:
             if not started:
                 d.healthy = False
+                raise decode_unreachable(d.name, str(exc), ctx.cfg.retry_after_s) from None
             where = (
                 f"after {len(self.outcome.tokens)} tokens" if started else "before the first token"
             )

@@ -2,8 +2,9 @@
 
 :class:`Flow` runs the route the router chose, degrades to local prefill when prefill or
 the KV store fails, ends generation at a stop string, records the timings, the metrics and
-the ``pdx`` object of the response, and maps decode failures to :class:`HTTPProblem`. A
-request with ``n`` choices runs ``n`` flows.
+the ``pdx`` object of the response, and maps decode failures to :class:`HTTPProblem` (an
+unreachable decode before the first token: 503 with ``Retry-After``). A request with ``n``
+choices runs ``n`` flows.
 """
 
 from __future__ import annotations
@@ -83,6 +84,15 @@ class TextTracker:
             if any(s.startswith(text[-n:]) for s in self.stops):
                 return text[:-n]
         return text
+
+
+def decode_unreachable(name: str, detail: str, retry_after_s: int) -> HTTPProblem:
+    """503 for a request whose decode instance could not be reached before its first token
+    (nothing was generated: retrying is safe, e.g. once the supervisor restarted it)."""
+    return HTTPProblem(
+        503, f"decode instance {name} unreachable before the first token: {detail}",
+        "decode_unavailable", headers={"Retry-After": str(retry_after_s)},
+    )  # fmt: skip
 
 
 class Flow:
@@ -316,6 +326,9 @@ class Flow:
             # Only an unreachable instance is marked down (until its next good status poll):
             # a request that failed for its own reasons says nothing about the instance.
             d.healthy = False
+            if not started:
+                return decode_unreachable(d.name, f"{code.name}: {exc.details()}",
+                                          self.ctx.cfg.retry_after_s)  # fmt: skip
         where = f"after {len(self.outcome.tokens)} tokens" if started else "before the first token"
         return HTTPProblem(
             502,

@@ -3,7 +3,9 @@
 Two families. ``pdx_gateway_*``: the disaggregation view (routes, degradations, transfers,
 the breaker). ``pdx:*``: the request-latency view, named like vLLM's ``vllm:*`` series
 where the meaning is the same, with a ``model_name`` label, so a vLLM dashboard needs only
-the prefix changed (the mapping is in docs/deploy.md).
+the prefix changed (the mapping is in docs/deploy.md). Under ``pdx deploy`` the supervisor's
+``pdx_restarts_total`` and ``pdx_role_*`` series join the same registry
+(:meth:`pdx.serving.restarts.RestartBoard.export`).
 """
 
 from __future__ import annotations

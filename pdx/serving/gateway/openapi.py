@@ -26,6 +26,7 @@ _ERRORS = {
     "429": "no decode capacity; retry after `Retry-After` seconds",
     "500": "internal error",
     "502": "a decode instance failed before the first token",
+    "503": "no decode instance is up (restarting); retry after `Retry-After` seconds",
 }
 
 
@@ -60,7 +61,7 @@ def _generate(body: type[BaseModel], reply: type[BaseModel], summary: str) -> di
             "summary": summary,
             "requestBody": {"required": True,
                             "content": {"application/json": {"schema": _ref(body)}}},
-            "responses": {"200": ok, **_errors("400", "404", "408", "413", "429", "500", "502")},
+            "responses": {"200": ok, **_errors(*_ERRORS)},  # every one may answer a generation
         }
     }  # fmt: skip
 
@@ -83,6 +84,8 @@ def openapi_document(model_names: list[str]) -> dict[str, Any]:
         "properties": {
             "ready": {"type": "boolean"},
             "decode_healthy": {"type": "array", "items": {"type": "string"}},
+            "roles_down": {"type": "array", "items": {"type": "object"}},
+            "children": {"type": "array", "items": {"type": "object"}},
         },
     }
     model_item = _get(_ref(ModelCard), "one served model", errors=("404", "500"))
