@@ -67,6 +67,22 @@ def probe_server(
     max_session_gb: float = typer.Option(
         64.0, "--max-session-gb", help="Bytes one session may move, all its streams, GB (1e9)."
     ),
+    anonymous_data_connections: int = typer.Option(
+        4,
+        "--anonymous-data-connections",
+        help="Without --secret: data connections a session may open at once (at most its plan).",
+    ),
+    anonymous_session_gb: float = typer.Option(
+        16.0,
+        "--anonymous-session-gb",
+        help="Without --secret: GB (1e9) one session may move (at most its plan's seconds at "
+        "--anonymous-gbps).",
+    ),
+    anonymous_gbps: float = typer.Option(
+        40.0,
+        "--anonymous-gbps",
+        help="Without --secret: Gbit/s a session may move per second of tests it planned.",
+    ),
 ) -> None:
     """Serve probe-link clients: TCP control and data, UDP reflector. Runs until Ctrl-C."""
     import asyncio
@@ -81,12 +97,18 @@ def probe_server(
     _check_range("--max-connections-per-peer", max_connections_per_peer, 2, 100_000)
     _check_range("--max-data-connections", max_data_connections, 1, 1024)
     _check_range("--max-session-gb", max_session_gb, 0.001, 100_000)
+    _check_range("--anonymous-data-connections", anonymous_data_connections, 1, 1024)
+    _check_range("--anonymous-session-gb", anonymous_session_gb, 0.001, 100_000)
+    _check_range("--anonymous-gbps", anonymous_gbps, 0.001, 100_000)
     limits = ServerLimits(
         max_test_s=max_test_s,
         max_sessions=max_sessions,
         max_connections_per_peer=max_connections_per_peer,
         max_data_connections_per_session=max_data_connections,
         max_session_bytes=int(max_session_gb * 1e9),
+        anonymous_data_connections=anonymous_data_connections,
+        anonymous_session_bytes=int(anonymous_session_gb * 1e9),
+        anonymous_gbps=anonymous_gbps,
     )
     server = ProbeServer(bind, port, udp_port=udp_port, secret=_secret(secret), limits=limits)
 

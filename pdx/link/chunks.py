@@ -157,8 +157,16 @@ class TcpChunkTransport(ChunkTransport):
 
     def close(self) -> None:
         if self.conn is not None:
+            # shutdown, not just close: it wakes the ack reader blocked in recv() and sends
+            # FIN now (a plain close waits for that recv, so the server would keep the
+            # connection, one of its session's data connections, until its deadline)
+            with contextlib.suppress(OSError):
+                self.conn.sock.shutdown(socket.SHUT_RDWR)
             self.conn.close()
             self.conn = None
+        if self.reader is not None:
+            self.reader.join(5.0)
+            self.reader = None
 
 
 def _grpc_needs_a_store(session: ProbeSession) -> ChunkTransport:

@@ -129,6 +129,16 @@ class FrameConnection:
         self.close()
 
 
+@dataclass(frozen=True)
+class ProbePlan:
+    """What a run will ask of the server, sent in its hello: the most data connections open
+    at once and the seconds of data tests in all. A server without a secret sizes the
+    session's budget to it."""
+
+    streams: int
+    seconds: float
+
+
 @dataclass
 class ProbeSession:
     """A live control session with a probe server."""
@@ -137,21 +147,30 @@ class ProbeSession:
     port: int
     secret: bytes | None
     timeout_s: float = 5.0
+    plan: ProbePlan | None = None  # None: what a server grants a session that planned nothing
     control: FrameConnection | None = None
     session_id: bytes = b""
     udp_port: int = 0
     limits: dict[str, Any] = field(default_factory=dict)
     server_version: str = ""
     server_tcp: dict[str, Any] | None = None  # the server's TCP defaults (newer servers)
+    # what the server grants this session: data_connections, bytes, authenticated, capped
+    # (None from older servers)
+    budget: dict[str, Any] | None = None
 
     def open(self) -> ProbeSession:
         """Connect and say hello."""
         self.control = FrameConnection.connect(self.host, self.port, self.secret, self.timeout_s)
         self.server_version = str(self.control.welcome.get("pdx", ""))
-        reply = self.control.request({"op": "hello"})
+        hello: dict[str, Any] = {"op": "hello"}
+        if self.plan is not None:
+            hello |= {"streams": self.plan.streams, "seconds": self.plan.seconds}
+        reply = self.control.request(hello)
         self.session_id = bytes.fromhex(str(reply["session"]))
         self.udp_port = int(reply["udp_port"])
         self.limits = dict(reply.get("limits", {}))
+        budget = reply.get("budget")
+        self.budget = dict(budget) if isinstance(budget, dict) else None
         tcp = reply.get("tcp")
         self.server_tcp = dict(tcp) if isinstance(tcp, dict) else None
         return self
@@ -162,6 +181,8 @@ class ProbeSession:
             return []
         assert self.control is not None
         reply = self.control.request({"op": "tcp_report", "test": test})
+        if reply.get("stopped"):  # the session's budget cut the test's streams short
+            raise MeasurementError(f"{self.control.where}: server stopped: {reply['stopped']}")
         reports = reply.get("reports", [])
         return [r for r in reports if isinstance(r, dict)]
 

@@ -337,6 +337,8 @@ def _merge_sink_reports(reports: dict[int, Any], streams: int, bins: dict[int, i
         report = reports.get(i)
         if not isinstance(report, dict) or report.get("op") != "sink_report":
             raise MeasurementError(f"upload stream {i} got no report from the server: {report}")
+        if report.get("stopped"):  # the session's budget cut it short: not a whole test
+            raise MeasurementError(f"upload stream {i}: server stopped: {report['stopped']}")
         first = int(report["first_bin"])
         for offset, n in enumerate(report["bins"]):
             bins[first + offset] = bins.get(first + offset, 0) + int(n)

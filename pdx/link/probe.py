@@ -12,7 +12,7 @@ from typing import Any
 from pdx.errors import InputError, MeasurementError
 from pdx.link import phases
 from pdx.link.chunks import get_chunk_transport, run_chunk_sweep
-from pdx.link.client import ProbeSession, parse_target
+from pdx.link.client import ProbePlan, ProbeSession, parse_target
 from pdx.link.stats import summarize
 from pdx.link.verdict import VerdictRules, judge
 from pdx.tcp import TcpInfo, bdp_bytes, tcp_facts, window_for
@@ -20,6 +20,7 @@ from pdx.units import MIB, human_bytes
 
 ALL_PHASES = ("latency", "throughput", "loaded", "mtu", "chunks")
 DEFAULT_CHUNK_SIZES = (256 * 1024, 1 * MIB, 2 * MIB, 4 * MIB, 8 * MIB)
+_CHUNK_WARMUP_S = 0.25  # per size in a plan: the 2 MiB warm-up before the timed chunks
 
 Progress = Callable[[str, str], None]
 
@@ -60,7 +61,8 @@ def probe_link(opts: ProbeOptions, progress: Progress = _quiet) -> dict[str, Any
         raise InputError("--phases", ",".join(unknown), f"a subset of {','.join(ALL_PHASES)}")
     host, port = parse_target(opts.target)
     get_chunk_transport(opts.chunk_transport)  # fail on a bad name before measuring anything
-    session = ProbeSession(host, port, opts.secret, opts.connect_timeout_s)
+    plan = probe_plan(opts)
+    session = ProbeSession(host, port, opts.secret, opts.connect_timeout_s, plan=plan)
     report: dict[str, Any] = _empty_report(opts)
     try:
         with session.open():
@@ -71,10 +73,51 @@ def probe_link(opts: ProbeOptions, progress: Progress = _quiet) -> dict[str, Any
     return report
 
 
+def probe_plan(opts: ProbeOptions) -> ProbePlan:
+    """What this run asks of the server: its most data connections at once, and the seconds
+    of data tests (the throughput phase's tests at their caps, the chunk sweep's sizes)."""
+    streams, seconds = 0, 0.0
+    if "throughput" in opts.phases:
+        streams = opts.streams
+        test_s = opts.duration_s + opts.omit_s
+        seconds += 2 * len({1, opts.streams}) * max(test_s, _goodput_cap(opts))
+    if "chunks" in opts.phases and opts.chunk_transport != "grpc":  # grpc: the KV store
+        streams = max(streams, 1)
+        seconds += len(opts.chunk_sizes) * (opts.chunk_seconds + _CHUNK_WARMUP_S)
+    return ProbePlan(streams, round(seconds, 3))
+
+
+def budget_note(session: ProbeSession) -> str | None:
+    """Fail now when the server grants fewer streams than the session's plan needs; a line
+    to show when it grants fewer bytes than the plan could move (None: nothing to say)."""
+    budget, plan = session.budget, session.plan
+    if budget is None or plan is None:  # an older server announces no per-session budget
+        return None
+    hint = ("" if budget.get("authenticated") else "; a server without --secret grants every "
+            "session this: run both ends with --secret, or raise the server's --anonymous-* "
+            "limits")  # fmt: skip
+    granted = int(budget.get("data_connections", 0))
+    if granted < plan.streams:
+        needs = f"the probe needs {plan.streams} (--streams)"
+        raise MeasurementError(
+            f"the server grants this session {granted} data connections at once, {needs}{hint}"
+        )
+    if not budget.get("capped") or plan.seconds <= 0:
+        return None
+    gb = int(budget.get("bytes", 0)) / 1e9
+    gbps = gb * 8 / plan.seconds
+    return (f"the server grants this session {gb:.3g} GB for {plan.seconds:g} s of tests: a "
+            f"link faster than {gbps:.3g} Gbit/s on average runs out{hint}")  # fmt: skip
+
+
 def _run_phases(
     session: ProbeSession, opts: ProbeOptions, report: dict[str, Any], progress: Progress
 ) -> None:
     report["server_version"] = session.server_version
+    note = budget_note(session)
+    data_phases = [p for p in opts.phases if p in ("throughput", "chunks")]
+    if note and data_phases:
+        progress(data_phases[0], note)
     if "latency" in opts.phases:
         _latency_phase(session, opts, report, progress)
     if "mtu" in opts.phases:
@@ -211,7 +254,6 @@ def _throughput_phase(
 def _goodput(
     session: ProbeSession, opts: ProbeOptions, direction: str, streams: int
 ) -> phases.ThroughputRun:
-    cap = opts.max_duration_s or 3 * (opts.duration_s + opts.omit_s)
     return phases.measure_goodput(
         session,
         direction=direction,
@@ -220,9 +262,14 @@ def _goodput(
         omit_s=opts.omit_s,
         interval_s=opts.sample_interval_s,
         ci_target_pct=opts.ci_target_pct,
-        max_duration_s=cap,
+        max_duration_s=_goodput_cap(opts),
         max_bytes=opts.max_test_bytes,
     )
+
+
+def _goodput_cap(opts: ProbeOptions) -> float:
+    """Seconds one throughput test may take, repeats included."""
+    return opts.max_duration_s or 3 * (opts.duration_s + opts.omit_s)
 
 
 def _throughput_summary(runs: list[phases.ThroughputRun]) -> dict[str, Any]:

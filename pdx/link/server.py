@@ -4,14 +4,18 @@ A client opens a control connection (``hello`` creates a session that lives as l
 connection), reflects UDP probes carrying the session id, and opens data connections on the
 same TCP port that name the session and a mode: ``sink`` (count what the client sends),
 ``source`` (send to the client) or ``chunks`` (acknowledge each length-prefixed chunk).
-Every data connection is bounded by the server's time and byte limits. Sessions are
-independent, so several clients can measure at once.
+Every data connection is bounded by the server's time and byte limits, and every session by
+a budget (:class:`SessionBudget`): data connections open at once and bytes over all of them.
+A session that proved the shared secret gets the configured maximum; one that proved nothing
+(a server without a secret) gets what its ``hello`` planned, within smaller caps. Sessions
+are independent, so several clients can measure at once.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import secrets
 import socket
 import threading
@@ -28,6 +32,10 @@ from pdx.tcp import congestion_control, tcp_facts, tcp_info
 _RECV_BYTES = 256 * 1024  # a data connection's receive buffer (a sink counting bytes)
 _FRAME_RECV_BYTES = 4096  # before a connection is a data connection: frames only
 _MAX_UDP_BYTES = 65535
+_MAX_PLAN_STREAMS = 1024
+_MAX_PLAN_S = 86_400.0
+
+log = logging.getLogger("pdx.link.server")
 
 
 @dataclass(frozen=True)
@@ -37,7 +45,8 @@ class ServerLimits:
     max_test_s: float = 60.0
     max_test_bytes: int = 256 * 1024**3
     max_sessions: int = 64
-    max_probes_per_stream: int = 1_000_000
+    max_probes_per_stream: int = 1_000_000  # sequence numbers below this, one bit each
+    max_probe_streams_per_session: int = 16  # probe-link uses 4
     max_chunk_bytes: int = 64 * 1024 * 1024
     idle_timeout_s: float = 120.0
     # Against one client using the server as a traffic generator, or flooding it with
@@ -46,6 +55,11 @@ class ServerLimits:
     max_connections_per_peer: int = 128
     max_data_connections_per_session: int = 16
     max_session_bytes: int = 64 * 1024**3
+    # A session that has not proved the secret (the server has none) gets what its hello
+    # planned (streams at once; seconds of data tests at anonymous_gbps), within these:
+    anonymous_data_connections: int = 4
+    anonymous_session_bytes: int = 16 * 10**9
+    anonymous_gbps: float = 40.0
 
     def as_dict(self) -> dict[str, Any]:
         """Limits as announced to clients."""
@@ -53,33 +67,152 @@ class ServerLimits:
             "max_test_s": self.max_test_s,
             "max_test_bytes": self.max_test_bytes,
             "max_probes_per_stream": self.max_probes_per_stream,
+            "max_probe_streams_per_session": self.max_probe_streams_per_session,
             "max_chunk_bytes": self.max_chunk_bytes,
             "max_data_connections_per_session": self.max_data_connections_per_session,
             "max_session_bytes": self.max_session_bytes,
+            "anonymous_data_connections": self.anonymous_data_connections,
+            "anonymous_session_bytes": self.anonymous_session_bytes,
+            "anonymous_gbps": self.anonymous_gbps,
         }
+
+    def budget(self, plan: tuple[int, float] | None, *, authenticated: bool) -> SessionBudget:
+        """What one session may use. ``plan`` is what its hello asked for (data connections
+        open at once, seconds of data tests), None when it named none."""
+        if authenticated:  # proved the secret: the configured maximum, streams as planned
+            most = self.max_data_connections_per_session
+            streams = most if plan is None else min(plan[0], most)
+            return SessionBudget(
+                data_connections=streams,
+                bytes=self.max_session_bytes,
+                authenticated=True,
+                capped=False,
+                data_connections_basis=_basis(streams < most, "--max-data-connections"),
+                bytes_basis="--max-session-gb",
+            )
+        streams, seconds = plan or (1, 1.0)  # nothing planned: one stream for one second
+        most = min(self.anonymous_data_connections, self.max_data_connections_per_session)
+        most_bytes = min(self.anonymous_session_bytes, self.max_session_bytes)
+        wanted = int(seconds * self.anonymous_gbps * 1e9 / 8)
+        planned = f"{seconds:g} s of tests at --anonymous-gbps {self.anonymous_gbps:g}"
+        return SessionBudget(
+            data_connections=min(streams, most),
+            bytes=min(wanted, most_bytes),
+            authenticated=False,
+            capped=wanted > most_bytes,
+            data_connections_basis=_basis(
+                streams <= most, "--anonymous-data-connections, no secret"
+            ),
+            bytes_basis=_basis(wanted <= most_bytes, "--anonymous-session-gb, no secret", planned),
+        )
+
+
+def _basis(planned: bool, limit: str, plan: str = "") -> str:
+    """Which bound set a budget figure, for the message that refuses past it."""
+    return f"what its hello planned{': ' + plan if plan else ''}" if planned else limit
+
+
+@dataclass(frozen=True)
+class SessionBudget:
+    """What one session may use: data connections open at once, bytes over all of them."""
+
+    data_connections: int
+    bytes: int
+    authenticated: bool
+    capped: bool  # its plan asked for more bytes than the server grants
+    data_connections_basis: str  # which limit set data_connections, for error messages
+    bytes_basis: str
+
+    def as_dict(self) -> dict[str, Any]:
+        """As announced in the hello reply."""
+        return {"data_connections": self.data_connections, "bytes": self.bytes,
+                "authenticated": self.authenticated, "capped": self.capped}  # fmt: skip
+
+
+class _Refused(proto.ProtocolError):
+    """A data connection over its session's budget: answered, then closed."""
 
 
 @dataclass
 class _ProbeStream:
-    seqs: set[int] = field(default_factory=set)
+    """The sequence numbers of one UDP probe stream the reflector saw, one bit each: 125 KB
+    at most for the 10^6 a stream may use (a set of ints would take ~60 MB)."""
+
+    seen: bytearray = field(default_factory=bytearray)
     duplicates: int = 0
+
+    def add(self, seq: int) -> None:
+        """Record ``seq``; a second copy counts as a duplicate."""
+        byte, bit = divmod(seq, 8)
+        if byte >= len(self.seen):
+            self.seen.extend(bytes(byte + 1 - len(self.seen)))
+        if self.seen[byte] >> bit & 1:
+            self.duplicates += 1
+        self.seen[byte] |= 1 << bit
+
+    def count_below(self, n: int) -> int:
+        """Distinct sequence numbers seen below ``n``."""
+        full, rest = divmod(max(0, min(n, 8 * len(self.seen))), 8)
+        count = int.from_bytes(self.seen[:full], "little").bit_count()
+        if rest:
+            count += (self.seen[full] & ((1 << rest) - 1)).bit_count()
+        return count
 
 
 @dataclass
 class _Session:
     sid: bytes
     udp_key: bytes | None
+    budget: SessionBudget
     streams: dict[int, _ProbeStream] = field(default_factory=dict)
     test_epochs: dict[str, float] = field(default_factory=dict)
     # TCP_INFO of this session's download (source) streams, by test; bounded per test
     tcp_reports: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     peer_ip: str = ""  # UDP probes are answered only to the address that opened it
+    data: set[_Connection] = field(default_factory=set)  # its live data connections
     data_connections: int = 0
-    bytes_moved: int = 0  # of max_session_bytes, over all its data connections
+    bytes_moved: int = 0  # of budget.bytes, over all its data connections
+    refused: int = 0  # data connections refused for its budget
+    stopped: str = ""  # why its budget ended its data connections ("" while it has not)
 
     def epoch(self, test: str) -> float:
         """Common time origin of all data connections of one test (bins line up across streams)."""
         return self.test_epochs.setdefault(test, time.monotonic())
+
+    def name(self) -> str:
+        """``session 1a2b3c4d from 127.0.0.1 (no secret)``, for log lines."""
+        proof = "secret" if self.budget.authenticated else "no secret"
+        return f"session {self.sid.hex()[:8]} from {self.peer_ip} ({proof})"
+
+    def refuse(self, why: str) -> _Refused:
+        """Count a refused data connection; the first one of a session is logged."""
+        self.refused += 1
+        if self.refused == 1:
+            log.warning("probe %s: data connection refused: %s (later refusals are counted)",
+                        self.name(), why)  # fmt: skip
+        return _Refused(why)
+
+    def left(self) -> int:
+        """Bytes its budget still allows."""
+        return self.budget.bytes - self.bytes_moved
+
+    def spent(self) -> str:
+        """Why a spent budget refuses more."""
+        return (f"this session moved its budget of {self.budget.bytes / 1e9:.3g} GB "
+                f"({self.budget.bytes_basis})")  # fmt: skip
+
+    def spend(self, nbytes: int) -> bool:
+        """Count bytes moved; True once the budget is spent (then every stream is stopped)."""
+        self.bytes_moved += nbytes
+        if self.left() > 0:
+            return False
+        if not self.stopped:
+            self.stopped = self.spent()
+            log.warning("probe %s: %s; its data connections are closed", self.name(),
+                        self.stopped)  # fmt: skip
+            for conn in list(self.data):
+                conn.stop()
+        return True
 
 
 class ProbeServer:
@@ -147,12 +280,17 @@ class ProbeServer:
             self._server = None
 
     # -- sessions -----------------------------------------------------------------------
-    def open_session(self, peer_ip: str) -> _Session:
-        """Create a session, or refuse when the server is full."""
+    def open_session(self, peer_ip: str, plan: tuple[int, float] | None = None) -> _Session:
+        """Create a session with the budget ``plan`` earns it, or refuse when the server is full.
+
+        Every frame of a server with a secret is authenticated, so its sessions have proved
+        the secret; a server without one has only anonymous sessions.
+        """
         if len(self.sessions) >= self.limits.max_sessions:
             raise proto.ProtocolError(f"server busy: {len(self.sessions)} sessions open")
         sid = secrets.token_bytes(8)
-        session = _Session(sid, proto.session_key(self.secret, sid), peer_ip=peer_ip)
+        budget = self.limits.budget(plan, authenticated=bool(self.secret))
+        session = _Session(sid, proto.session_key(self.secret, sid), budget, peer_ip=peer_ip)
         self.sessions[sid] = session
         return session
 
@@ -208,13 +346,14 @@ class ProbeServer:
             return
         if probe.kind != proto.KIND_REQUEST:
             return
-        stream = session.streams.setdefault(probe.stream, _ProbeStream())
-        if probe.seq in stream.seqs:
-            stream.duplicates += 1
-        elif len(stream.seqs) < self.limits.max_probes_per_stream:
-            stream.seqs.add(probe.seq)
-        else:
+        stream = session.streams.get(probe.stream)
+        if stream is None:
+            if len(session.streams) >= self.limits.max_probe_streams_per_session:
+                return
+            stream = session.streams[probe.stream] = _ProbeStream()
+        if probe.seq >= self.limits.max_probes_per_stream:
             return
+        stream.add(probe.seq)
         probe.kind = proto.KIND_REPLY
         probe.server_rx_ns = rx_ns
         probe.server_tx_ns = time.time_ns()
@@ -284,6 +423,7 @@ class _Connection(asyncio.BufferedProtocol):
             self.server.leave(self.peer_ip)
         if self.counted_data and self.session is not None:
             self.session.data_connections -= 1
+            self.session.data.discard(self)
         for handle in (self.deadline_handle, self.idle_handle):
             if handle is not None:
                 handle.cancel()
@@ -291,6 +431,9 @@ class _Connection(asyncio.BufferedProtocol):
             self.task.cancel()
         if self.control and self.session is not None:
             self.server.sessions.pop(self.session.sid, None)
+            if self.session.refused > 1:
+                log.warning("probe %s ended: %d data connections refused in all",
+                            self.session.name(), self.session.refused)  # fmt: skip
 
     def get_buffer(self, sizehint: int) -> bytearray:
         return self.buf
@@ -308,7 +451,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def eof_received(self) -> bool:
         if self.mode == "sink":
-            self._finish_sink()
+            self._finish_sink(hang_up=True)
             return True
         return False
 
@@ -322,6 +465,13 @@ class _Connection(asyncio.BufferedProtocol):
         """Drop the connection now."""
         if self.transport is not None:
             self.transport.abort()
+
+    def stop(self) -> None:
+        """End a data connection now: a sink reports what it counted, the others close."""
+        if self.mode == "sink":
+            self._finish_sink(hang_up=False)
+        else:
+            self._deadline()
 
     # -- frames -------------------------------------------------------------------------
     def _send(self, message: dict[str, Any]) -> None:
@@ -364,7 +514,7 @@ class _Connection(asyncio.BufferedProtocol):
         op = message["op"]
         try:
             if op == "hello":
-                self._on_hello()
+                self._on_hello(message)
             elif op == "udp_stats":
                 self._on_udp_stats(message)
             elif op == "data":
@@ -378,12 +528,16 @@ class _Connection(asyncio.BufferedProtocol):
             else:
                 raise proto.ProtocolError(f"unknown op {op!r}")
         except proto.ProtocolError as exc:
-            self._fail(str(exc), close=False)
+            self._fail(str(exc), close=isinstance(exc, _Refused))
 
-    def _on_hello(self) -> None:
+    def _on_hello(self, message: dict[str, Any]) -> None:
         if self.session is not None:
             raise proto.ProtocolError("hello sent twice")
-        self.session = self.server.open_session(self.peer_ip)
+        plan = None
+        if "streams" in message or "seconds" in message:  # what the run will ask for
+            plan = (_int_field(message, "streams", 0, _MAX_PLAN_STREAMS),
+                    _float_field(message, "seconds", 0.0, _MAX_PLAN_S))  # fmt: skip
+        self.session = self.server.open_session(self.peer_ip, plan)
         self.control = True
         self._send(
             {
@@ -391,6 +545,7 @@ class _Connection(asyncio.BufferedProtocol):
                 "session": self.session.sid.hex(),
                 "udp_port": self.server.udp_port,
                 "limits": self.server.limits.as_dict(),
+                "budget": self.session.budget.as_dict(),
                 "tcp": tcp_facts(),
             }
         )
@@ -401,7 +556,7 @@ class _Connection(asyncio.BufferedProtocol):
         stream_id = _int_field(message, "stream", 0, 65535)
         sent = _int_field(message, "sent", 0, 2**63)
         stream = self.session.streams.get(stream_id, _ProbeStream())
-        received = sum(1 for s in stream.seqs if s < sent)
+        received = stream.count_below(sent)
         self._send(
             {
                 "op": "udp_stats",
@@ -415,7 +570,10 @@ class _Connection(asyncio.BufferedProtocol):
         if not self.control or self.session is None:
             raise proto.ProtocolError("tcp_report needs a hello first")
         reports = self.session.tcp_reports.pop(str(message.get("test", "")), [])
-        self._send({"op": "tcp_report", "reports": reports})
+        reply: dict[str, Any] = {"op": "tcp_report", "reports": reports}
+        if self.session.stopped:  # its budget cut the streams short: the test is not whole
+            reply["stopped"] = self.session.stopped
+        self._send(reply)
 
     def _on_data(self, message: dict[str, Any]) -> None:
         if self.session is not None:
@@ -424,20 +582,21 @@ class _Connection(asyncio.BufferedProtocol):
         mode = message.get("mode")
         if mode not in ("sink", "source", "chunks"):
             raise proto.ProtocolError("mode must be one of sink, source, chunks")
-        limits = self.server.limits
-        if session.data_connections >= limits.max_data_connections_per_session:
-            raise proto.ProtocolError(
-                f"{session.data_connections} data connections open in this session (at most "
-                f"{limits.max_data_connections_per_session})"
-            )
-        left = limits.max_session_bytes - session.bytes_moved
+        limits, budget = self.server.limits, session.budget
+        left = session.left()
         if left <= 0:
-            raise proto.ProtocolError(f"this session moved its {limits.max_session_bytes} bytes")
+            raise session.refuse(session.spent())
+        if session.data_connections >= budget.data_connections:
+            raise session.refuse(
+                f"{session.data_connections} data connections open in this session (at most "
+                f"{budget.data_connections}: {budget.data_connections_basis})"
+            )
         duration_s = min(_float_field(message, "duration_s", 0.01, 3600.0), limits.max_test_s)
         self.byte_limit = min(
             _int_field(message, "max_bytes", 1, 2**63), limits.max_test_bytes, left
         )
         session.data_connections += 1
+        session.data.add(self)
         self.counted_data = True
         self.buf = bytearray(_RECV_BYTES)
         if "interval_s" in message:
@@ -461,11 +620,7 @@ class _Connection(asyncio.BufferedProtocol):
     # -- data modes ---------------------------------------------------------------------
     def _session_spent(self, nbytes: int) -> bool:
         """Count bytes against the session's budget; True once it is used up."""
-        session = self.session
-        if session is None:
-            return False
-        session.bytes_moved += nbytes
-        return session.bytes_moved >= self.server.limits.max_session_bytes
+        return self.session is not None and self.session.spend(nbytes)
 
     def _count(self, nbytes: int) -> None:
         now = time.monotonic()
@@ -473,9 +628,11 @@ class _Connection(asyncio.BufferedProtocol):
         self.bins[index] = self.bins.get(index, 0) + nbytes
         self.bytes += nbytes
         if self._session_spent(nbytes) or self.bytes >= self.byte_limit:
-            self._finish_sink()
+            self._finish_sink(hang_up=False)
 
-    def _finish_sink(self) -> None:
+    def _finish_sink(self, *, hang_up: bool) -> None:
+        """Report what was counted; close, or (a client still sending past its session's
+        budget) stop reading and half-close, so a reset does not lose the report."""
         if self.mode != "sink":
             return
         self.mode = "closing"
@@ -488,20 +645,30 @@ class _Connection(asyncio.BufferedProtocol):
             "first_bin": first,
             "bins": [self.bins.get(i, 0) for i in range(first, last + 1)],
         }
+        stopped = self.session.stopped if self.session is not None else ""
+        if stopped:
+            report["stopped"] = stopped
         self._send(report)
-        if self.transport is not None:
+        if self.transport is None:
+            return
+        if hang_up or not stopped:
             self.transport.close()
+        else:  # closed at its deadline (at most max_test_s + 2 s from its start)
+            self.transport.pause_reading()
+            self.transport.write_eof()
 
     async def _source(self, duration_s: float) -> None:
         block = memoryview(bytes(_RECV_BYTES))
         end = time.monotonic() + duration_s
-        transport = self.transport
-        assert transport is not None
+        transport, session = self.transport, self.session
+        assert transport is not None and session is not None
         while time.monotonic() < end and self.bytes < self.byte_limit:
             await self.can_write.wait()
             if transport.is_closing():
                 return
-            size = min(len(block), self.byte_limit - self.bytes)
+            size = min(len(block), self.byte_limit - self.bytes, session.left())
+            if size <= 0:
+                break
             transport.write(block[:size])
             self.bytes += size
             if self._session_spent(size):
@@ -549,7 +716,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def _deadline(self) -> None:
         if self.mode == "sink":
-            self._finish_sink()
+            self._finish_sink(hang_up=True)
         elif self.transport is not None:
             self.mode = "closing"
             self.transport.close()

@@ -53,6 +53,9 @@ BAD: list[tuple[bytes, str, str]] = [
     (b'{"prompt": "hi", "logit_bias": {"5": NaN}}', "logit_bias", "/v1/completions"),
     (b'{"prompt": "hi", "seed": 18446744073709551616}', "seed", "/v1/completions"),
     (b'{"prompt": "hi", "seed": -9223372036854775809}', "seed", "/v1/completions"),
+    (b'{"prompt": "hi", "seed": -1}', "seed", "/v1/completions"),
+    (b'{"messages": [{"role": "user", "content": "hi"}], "seed": -1}', "seed",
+     "/v1/chat/completions"),
     (b'{"prompt": [1099511627776]}', "prompt", "/v1/completions"),
     (b'{"prompt": [-1]}', "prompt", "/v1/completions"),
     (b'{"prompt": [5, 4000]}', "prompt", "/v1/completions"),
@@ -82,6 +85,28 @@ async def test_out_of_domain_values_are_400_naming_the_field(
     err = body["error"]
     assert err["type"] == "invalid_request_error" and err["param"].startswith(param), err
     assert len(err["message"].splitlines()) == 1
+
+
+SEED_BODIES: dict[str, dict[str, Any]] = {
+    "/v1/completions": {"prompt": "hi"},
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}]},
+}
+
+
+async def test_seed_outside_unsigned_64_bits_is_400_and_its_edges_are_served(gw: Gateway) -> None:
+    for path, base in SEED_BODIES.items():
+        for seed, expected in ((-1, "greater than or equal to 0"), (2**64, f"less than {2**64}")):
+            raw = json.dumps({**base, "seed": seed, "max_tokens": 1}).encode()
+            status, body = await post(gw, raw, path)
+            assert status == 400, (path, seed, body)
+            err = body["error"]
+            assert err["param"] == "seed" and err["code"] == "invalid_value", err
+            assert err["message"].startswith("seed: ") and f"got {seed}" in err["message"], err
+            assert expected in err["message"], err
+        for seed in (0, 2**64 - 1):
+            raw = json.dumps({**base, "seed": seed, "max_tokens": 1, "temperature": 1}).encode()
+            status, body = await post(gw, raw, path)
+            assert status == 200, (path, seed, body)
 
 
 async def test_an_attacker_looping_bad_input_leaves_decode_healthy(gw: Gateway) -> None:

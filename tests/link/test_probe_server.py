@@ -15,7 +15,7 @@ import pytest
 from pdx.errors import MeasurementError
 from pdx.link import phases
 from pdx.link import protocol as proto
-from pdx.link.client import FrameConnection, ProbeSession
+from pdx.link.client import FrameConnection, ProbePlan, ProbeSession
 from pdx.link.probe import ProbeOptions, probe_link
 from pdx.link.server import ProbeServer
 from pdx.units import KIB
@@ -132,6 +132,8 @@ MALFORMED = {
         b'"duration_s": 1, "max_bytes": 10}'
     ),
     "stats_before_hello": _body_frame(b'{"op": "udp_stats", "stream": 1, "sent": 3}'),
+    "plan_without_seconds": _body_frame(b'{"op": "hello", "streams": 4}'),
+    "plan_of_negative_streams": _body_frame(b'{"op": "hello", "streams": -1, "seconds": 1}'),
 }
 
 
@@ -179,6 +181,31 @@ def test_right_secret_signs_control_and_probes(secret_server: ProbeServer) -> No
     )
     report = probe_link(opts)
     assert report["loss"]["up"] == 0 and report["rtt_ms"]["samples"] == 80
+
+
+def test_a_run_needing_more_streams_than_granted_fails_before_measuring(
+    probe_server: ProbeServer,
+) -> None:
+    seen: list[str] = []
+    opts = ProbeOptions(target=_target(probe_server), **{**FAST, "streams": 8},
+                        phases=("latency", "throughput"))  # fmt: skip
+    needs = r"4 data connections at once, the probe needs 8 \(--streams\); a server without"
+    with pytest.raises(MeasurementError, match=needs):
+        probe_link(opts, lambda phase, message: seen.append(phase))
+    assert seen == []  # refused on the hello's reply: no phase ran
+
+
+def test_a_session_planning_little_gets_little(probe_server: ProbeServer) -> None:
+    plan = ProbePlan(streams=1, seconds=0.001)  # 5 MB at 40 Gbit/s
+    with ProbeSession("127.0.0.1", probe_server.tcp_port, None, plan=plan) as session:
+        assert session.budget == {"data_connections": 1, "bytes": 5_000_000,
+                                  "authenticated": False, "capped": False}  # fmt: skip
+        with session.open_data("source", duration_s=5, max_bytes=10**9) as conn:
+            conn.sock.settimeout(10)
+            got = sum(iter(lambda: len(conn.sock.recv(1 << 20)), 0))
+        assert got == 5_000_000
+        with pytest.raises(MeasurementError, match=r"moved its budget of 0\.005 GB"):
+            session.open_data("sink", duration_s=1, max_bytes=1)
 
 
 def test_secret_server_ignores_unsigned_probes(secret_server: ProbeServer) -> None:

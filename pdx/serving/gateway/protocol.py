@@ -127,8 +127,10 @@ class SamplingFields(BaseModel):
     )
     n: int | None = Field(None, ge=1, le=MAX_N, description="choices to generate")
     seed: int | None = Field(
-        None, ge=-(2**63), lt=2**64, description="reproducible sampling; absent = random"
-    )
+        None, ge=0, lt=2**64,
+        description="reproducible sampling, an unsigned 64-bit integer in [0, 2**64) (the "
+        "pair's wire type); absent = random",
+    )  # fmt: skip
     stop: str | list[str] | None = Field(
         None, description=f"up to {MAX_STOP} strings; generation ends before the first match"
     )
@@ -629,7 +631,7 @@ def resolve(
         prompt_ids=ids,
         max_tokens=max_tokens,
         temperature=body.temperature or 0.0,
-        seed=(body.seed if body.seed is not None else seed) % 2**64,
+        seed=body.seed if body.seed is not None else seed,
         stream=bool(body.stream),
         return_token_ids=bool(body.return_token_ids),
         route=body.pdx_route or "auto",
