@@ -546,3 +546,50 @@ def check_validity(
         load_fraction=fraction,
         problems=problems,
     )
+
+
+LOOSE_FACTOR = 10.0
+
+
+def loose_criteria(results: list[CriterionResult]) -> list[dict[str, Any]]:
+    """Criteria whose threshold is more than ``LOOSE_FACTOR`` × what was measured on every step
+    that measured them: not a constraint here, so a GO says nothing about them.
+
+    A bound is compared when the criterion has one (its interval's far side), else the value;
+    for a ``*_min`` criterion the shortfalls ``1 - x`` are compared. A threshold of 0 is never
+    loose, and neither is the link verdict (not a number).
+    """
+    by_name: dict[str, list[CriterionResult]] = {}
+    for r in results:
+        if r.name != "link_verdict" and r.result in ("pass", "fail"):
+            by_name.setdefault(r.name, []).append(r)
+    out = []
+    for name, rows in by_name.items():
+        ratios = [_looseness(name, r) for r in rows]
+        if ratios and all(x is not None and x > LOOSE_FACTOR for x in ratios):
+            worst = min(x for x in ratios if x is not None)
+            out.append({
+                "name": name,
+                "threshold": rows[0].threshold,
+                "steps": len(rows),
+                "headroom": round(worst, 1) if worst != float("inf") else None,
+                "note": f"not a constraint here: the threshold is more than {LOOSE_FACTOR:g}× "
+                "the measured value on every step",
+            })  # fmt: skip
+    return out
+
+
+def _looseness(name: str, r: CriterionResult) -> float | None:
+    """threshold / measured (its bound when it has one); inf when nothing was measured above 0."""
+    far = r.interval[1] if r.interval and not name.endswith("_min") else (
+        r.interval[0] if r.interval else None)  # fmt: skip
+    value = far if far is not None else r.measured
+    if value is None or r.threshold is None:
+        return None
+    if name.endswith("_min"):
+        value, threshold = 1.0 - float(value), 1.0 - float(r.threshold)
+    else:
+        value, threshold = float(value), float(r.threshold)
+    if threshold <= 0:
+        return None
+    return float("inf") if value <= 0 else threshold / value

@@ -352,6 +352,69 @@ class Prediction(BaseModel):
     )
 
 
+SearchParam = Literal["rate", "concurrency", "rtt_ms", "loss", "bandwidth_mbps"]
+
+
+class Search(BaseModel):
+    """``pdx accept --search PARAM``: the limit of one load or link parameter (docs/accept.md
+    "Searching"). Each probe is a full judged step; the answer is the bracket [last GO, first
+    NO-GO]. ``rate`` searches open-loop req/s and ``concurrency`` closed-loop users per network
+    condition; ``rtt_ms``, ``loss`` and ``bandwidth_mbps`` search the link at the matrix's first
+    load and lengths, starting from the first condition's other settings."""
+
+    model_config = _Strict
+    param: SearchParam | None = Field(default=None, description="what is searched (null = off)")
+    range: tuple[float, float] | None = Field(
+        default=None,
+        description="LO:HI (or [LO, HI]) the search stays within; default per parameter: "
+        "rate 0.5:64, concurrency 1:64, rtt_ms 1:200, loss 0.0001:0.05, bandwidth_mbps 10:10000",
+    )
+    resolution: PositiveFloat | None = Field(
+        default=None,
+        description="stop when the bracket is this narrow (the parameter's unit); default: "
+        "10 % of the bracket's GO end (1 for concurrency)",
+    )
+    budget_s: PositiveFloat = Field(
+        default=900.0, description="wall time the probes may take (deploy and pre-flight apart)"
+    )
+    probe_duration_s: PositiveFloat | None = Field(
+        default=None, description="each probe's load duration; default matrix.duration_s"
+    )
+    max_extensions: Annotated[int, Field(ge=0, le=4)] = Field(
+        default=2,
+        description="an INCONCLUSIVE probe is run again this many times at most, each twice "
+        "as long, before it counts as undecided",
+    )
+
+    @field_validator("range", mode="before")
+    @classmethod
+    def _lo_hi(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            lo, sep, hi = value.partition(":")
+            try:
+                return (float(lo), float(hi)) if sep else value
+            except ValueError:
+                raise ValueError("expected LO:HI, two numbers") from None
+        return value
+
+    @field_validator("range")
+    @classmethod
+    def _ordered(cls, value: tuple[float, float] | None) -> tuple[float, float] | None:
+        if value is not None and not (0 < value[0] < value[1] and all(map(_finite, value))):
+            raise ValueError(f"expected 0 < LO < HI (got {value[0]:g}:{value[1]:g})")
+        return value
+
+    @model_validator(mode="after")
+    def _loss_fraction(self) -> Search:
+        if self.param == "loss" and self.range is not None and self.range[1] > 0.5:
+            raise ValueError(f"range: loss is a fraction, HI <= 0.5 (got {self.range[1]:g})")
+        return self
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
+
+
 class Playbook(BaseModel):
     """One acceptance run."""
 
@@ -367,6 +430,13 @@ class Playbook(BaseModel):
     load: Load = Field(default_factory=lambda: Load())
     preflight: Preflight = Field(default_factory=Preflight)
     prediction: Prediction = Field(default_factory=Prediction)
+    search: Search = Field(default_factory=Search)
+    baseline: Literal["none", "colocated"] = Field(
+        default="none",
+        description="colocated: every step is run twice, interleaved, the second time with "
+        "every request prefilled where it decodes (pdx_route: local); the report puts the "
+        "split beside it (advisory: the baseline never decides the verdict)",
+    )
     seed: int = 0
 
     @model_validator(mode="after")
@@ -386,6 +456,12 @@ class Playbook(BaseModel):
                 "prediction.enabled needs preflight.probe_link (the prediction uses the link "
                 "the probe measured)"
             )
+        if self.search.param in ("rtt_ms", "loss", "bandwidth_mbps") and self.target.url:
+            raise ValueError(
+                f"search.param {self.search.param} needs target.deploy (pdx must own the link)"
+            )
+        if self.baseline == "colocated" and self.target.deploy is None:
+            raise ValueError("baseline: colocated needs target.deploy (pdx's gateway routes it)")
         for name in self.matrix.network:
             events = self.conditions[name].wan_events
             if events and not self.target.netns.enabled:

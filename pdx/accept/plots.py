@@ -143,8 +143,41 @@ def _prediction(ax: Any, steps: list[StepReport]) -> None:
     ax[0].legend(fontsize="small")
 
 
+_MARK = {"GO": ("o", "tab:green"), "NO-GO": ("x", "tab:red"), "INCONCLUSIVE": ("^", "orange")}
+
+
+def _envelope(ax: Any, s: dict[str, Any]) -> None:
+    """A search: its probes (measured), its bracket, the simulator's curve."""
+    curve = (s.get("prediction") or {}).get("curve") or []
+    if curve:
+        ax.plot([p["value"] for p in curve], [p["ratio"] for p in curve], "-", color="grey",
+                label="predicted (simulator)")  # fmt: skip
+    for verdict, (marker, color) in _MARK.items():
+        pts = [(p["value"], p["worst_ratio"]) for p in s["probes"]
+               if p["verdict"] == verdict and p.get("worst_ratio") is not None]  # fmt: skip
+        if pts:
+            ax.plot(*zip(*pts, strict=True), marker, color=color, markersize=8,
+                    linestyle="none", label=f"probe {verdict}")  # fmt: skip
+    good, bad = s["bracket"]
+    if good is not None and bad is not None:
+        ax.axvspan(min(good, bad), max(good, bad), color="tab:blue", alpha=0.2, label="bracket")
+    elif good is not None:
+        ax.axvline(good, color="tab:blue", alpha=0.5, label="limit (last GO)")
+    ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="threshold")
+    lo, hi = s["range"]
+    if hi / lo >= 10:
+        ax.set_xscale("log")
+    ax.set_xlabel(f"{s['param']} ({s['unit']})")
+    ax.set_ylabel("closest latency criterion / its threshold")
+    ax.set_title(f"search {s['param']} under {s['condition']}")
+    ax.legend(fontsize="small")
+
+
 def make_plots(
-    steps: list[StepReport], records: dict[str, list[dict[str, Any]]], directory: Path
+    steps: list[StepReport],
+    records: dict[str, list[dict[str, Any]]],
+    directory: Path,
+    searches: list[dict[str, Any]] | None = None,
 ) -> dict[str, str]:
     """Every plot the report shows: {file name: data URI}."""
     import matplotlib
@@ -174,4 +207,7 @@ def make_plots(
         one("resources.png", 3, lambda ax: _resources(ax, steps), width=12)
     if any(s.prediction for s in steps):
         one("prediction-vs-measured.png", 5, lambda ax: _prediction(ax, steps), width=16)
+    for i, search in enumerate(searches or []):
+        one(f"envelope-{i}-{search['param']}.png", 1,
+            functools.partial(_envelope, s=search), width=8)  # fmt: skip
     return out

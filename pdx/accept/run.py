@@ -23,6 +23,7 @@ from pdx.accept import criteria as judge
 from pdx.accept import remedies
 from pdx.accept.gates import GateContext, StepGates
 from pdx.accept.link import ProxyLink, counters_delta, proxy_acts
+from pdx.accept.link_judge import judge_link, judge_link_per_step
 from pdx.accept.loadgen import LocustRun, read_locust_stats, resolve_locustfile, step_args
 from pdx.accept.metrics import Snapshot, delta, scrape
 from pdx.accept.netns_target import Topology
@@ -99,6 +100,14 @@ class AcceptRun:
         self.topology: Topology | None = None
         self.gates: GateContext | None = None
         self.kv_measured: dict[str, Any] | None = None
+        self.local_nets: set[str] = set()  # conditions whose requests all go pdx_route: local
+        self.baseline_outcomes: list[StepOutcome] = []
+        self.baseline_rows: list[dict[str, Any]] = []
+        self.searches: list[dict[str, Any]] = []  # pdx accept --search fills it
+        if pb.baseline == "colocated":
+            from pdx.accept.baseline import add_twins
+
+            add_twins(self)
 
     @property
     def total_s(self) -> float:
@@ -121,8 +130,7 @@ class AcceptRun:
                 self.target_info["warmup"] = await warm_up(
                     self.pb, self.url, self.steps[0], self.pb.load.warmup_requests
                 )
-            for step in self.steps:
-                self.outcomes.append(await self._run_step(step, locustfile))
+            await self._run_steps(locustfile)
             complete = True
         except asyncio.CancelledError:
             self.problems.append(f"interrupted ({self.interrupted_by}) before every step ran")
@@ -134,6 +142,16 @@ class AcceptRun:
             await self._stop_all()
             self.report = self._write(complete)
         return self.report
+
+    async def _run_steps(self, locustfile: Path) -> None:
+        """The matrix, step after step (a search runs its probes instead)."""
+        if self.pb.baseline == "colocated":
+            from pdx.accept.baseline import run_with_twins
+
+            await run_with_twins(self, locustfile)
+            return
+        for step in self.steps:
+            self.outcomes.append(await self._run_step(step, locustfile))
 
     def _stop_on_sigterm(self) -> None:
         """SIGTERM (a CI timeout, a supervisor) stops the run like Ctrl-C: partial report."""
@@ -283,60 +301,6 @@ class AcceptRun:
         store = str(self.target_info.get("kv_store") or "127.0.0.1:0")
         return store.rsplit(":", 1)[0].strip("[]")
 
-    def _judge_link(self) -> None:
-        """The probe's verdict against the KV demand at the highest load the run reached."""
-        from pdx.accept.preflight import kv_bytes_per_request
-        from pdx.accept.probe import judge_demand, summary
-
-        probe = (self.preflight or {}).get("probe_link")
-        kv = (self.preflight or {}).pop("_kv", None)
-        self.kv_measured = kv  # the prediction sizes the model from it too
-        if probe is None:
-            return
-        rps: float | None
-        if self.steps and self.steps[0].rate_rps is not None:
-            rps, how = self._planned_rps(), "highest matrix.rate_rps"
-        else:
-            achieved = [o.report.summary.get("achieved_rps") or 0.0 for o in self.outcomes]
-            rps, how = (max(achieved), "highest achieved req/s of any step") if achieved else (
-                None, "no step finished")  # fmt: skip
-        budget = self.pb.criteria.ttft_p99_ms or self.pb.criteria.ttft_p50_ms
-        confidence = self.pb.judgement.confidence or 0.95
-        for each in [probe, *self._step_probes()]:
-            judge_demand(each, kv_bytes_per_request(kv), rps, how, budget, confidence)
-            each["summary"] = summary(each)
-
-    def _step_probes(self) -> list[dict[str, Any]]:
-        return [
-            o.report.preflight["probe_link"]
-            for o in self.outcomes
-            if o.report.preflight and o.report.preflight.get("probe_link")
-        ]
-
-    def _judge_link_per_step(self) -> None:
-        """criteria.link_verdict on every step: its own probe, else the baseline probe when its
-        condition leaves the steady link as it was (cuts, kills and idle gaps do), else none."""
-        baseline = ((self.preflight or {}).get("probe_link") or {}).get("report")
-        for o in self.outcomes:
-            wanted = step_criteria(self.pb, o.step).link_verdict
-            if wanted is None or (wanted == "auto" and not self.pb.preflight.probe_link):
-                continue
-            own = ((o.report.preflight or {}).get("probe_link") or {}).get("report")
-            cond = self.pb.conditions[o.step.network]
-            steady = bool(cond.delay_ms or cond.jitter_ms or cond.loss or cond.bandwidth_mbps)
-            probe = own if own is not None else (None if steady else baseline)
-            if not self.pb.preflight.probe_link:
-                why = "preflight.probe_link is off: nothing measured the KV link"
-            elif probe is None and steady:
-                why = (
-                    "this step's condition changes the link and the link was not probed "
-                    "under it (preflight.probe_each_step: true measures it)"
-                )
-            else:
-                why = "the link probe did not run or failed (see preflight.probe_link.error)"
-            verdict = (probe or {}).get("verdict")
-            o.criteria.append(judge.judge_link(o.step.id, verdict, why, self.pb.preflight.advisory))
-
     async def _stop_all(self) -> None:
         if self.locust is not None:
             with contextlib.suppress(Exception):
@@ -371,7 +335,7 @@ class AcceptRun:
         kill = self._schedule_kill(cond, t0)
         wan = self._schedule_wan_events(cond, kernel, t0)
         self.locust = LocustRun(locustfile, step_dir / "locust.log")
-        args = step_args(self.pb, step, self.url, step_dir)
+        args = step_args(self._step_playbook(step), step, self.url, step_dir)
         drain_limit_s = self._drain_limit_s()
         run = asyncio.create_task(
             self.locust.run(
@@ -408,6 +372,14 @@ class AcceptRun:
                 outcome.report.timeline, float(cond.kill_prefill_at_s or 0.0), 0.0
             )
         return outcome
+
+    def _step_playbook(self, step: Step) -> Playbook:
+        """The playbook the step's load is generated from (a local twin sends pdx_route)."""
+        if step.network not in self.local_nets:
+            return self.pb
+        body = {**self.pb.target.extra_body, "pdx_route": "local"}
+        target = self.pb.target.model_copy(update={"extra_body": body})
+        return self.pb.model_copy(update={"target": target})
 
     def _drain_limit_s(self) -> float:
         """How long requests still open when a step's load stops may take to end: their
@@ -558,15 +530,15 @@ class AcceptRun:
         from pdx.accept.plots import make_plots
 
         try:
-            self._judge_link()
+            judge_link(self)
         except Exception as exc:  # the link figures must never cost the reviewer the report
             self.problems.append(f"link verdict failed: {type(exc).__name__}: {exc}")
-        self._judge_link_per_step()
+        judge_link_per_step(self)
         criteria = [c for o in self.outcomes for c in o.criteria]
         validity = [o.validity for o in self.outcomes]
         valid = complete and bool(validity) and all(v.valid for v in validity)
         failed = [c for c in criteria if c.result == "fail"]
-        verdict = run_verdict(valid, criteria)
+        verdict, exit_code = self._verdict(valid, criteria)
         step_data = [
             (o.step, {**o.report.summary, "elapsed_s": o.report.elapsed_s}) for o in self.outcomes
         ]
@@ -580,9 +552,8 @@ class AcceptRun:
         steps = [o.report for o in self.outcomes]
         images: dict[str, str] = {}
         try:
-            images = make_plots(
-                steps, {o.report.id: o.records for o in self.outcomes}, self.report_dir
-            )
+            records = {o.report.id: o.records for o in self.outcomes}
+            images = make_plots(steps, records, self.report_dir, self.searches)
         except Exception as exc:  # a plot must never cost the reviewer the report itself
             self.problems.append(f"plots failed: {type(exc).__name__}: {exc}")
         report = Report(
@@ -590,7 +561,7 @@ class AcceptRun:
             verdict=verdict,
             valid=valid,
             complete=complete,
-            exit_code=EXIT_CODES[verdict],
+            exit_code=exit_code,
             started_at=self.started_at,
             finished_at=_now(),
             target=self.target_info,
@@ -609,9 +580,30 @@ class AcceptRun:
             environment=_environment(),
             plots=sorted(images),
             problems=self.problems,
+            **self._report_extra(criteria),
         )
         write_report(report, self.report_dir, images)
         return report
+
+    def _verdict(
+        self, valid: bool, criteria: list[judge.CriterionResult]
+    ) -> tuple[Literal["GO", "NO-GO", "INCONCLUSIVE"], int]:
+        """The run's verdict and exit code (a search's come from its limits instead)."""
+        verdict = run_verdict(valid, criteria)
+        return verdict, EXIT_CODES[verdict]
+
+    def _report_extra(self, criteria: list[judge.CriterionResult]) -> dict[str, Any]:
+        """Report fields beyond a plain run's: the loose thresholds (a search adds its own)."""
+        from pdx.accept.baseline import summary as baseline_summary
+        from pdx.accept.criteria import loose_criteria
+
+        extra: dict[str, Any] = {
+            "not_a_constraint": loose_criteria(criteria),
+            "search": self.searches or None,
+        }
+        if self.baseline_rows:
+            extra["baseline"] = baseline_summary(self.baseline_rows)
+        return extra
 
     def _predict(self) -> tuple[dict[str, Any], dict[str, Any] | None]:
         """Each step's prediction (set on its report) and the run's recommendations."""

@@ -79,6 +79,12 @@ def render_report(console: Console, report: Report) -> None:
     console.print(f"[bold {colour}]{c.headline(report)}[/]  ({report.name})")
     for p in report.problems:
         console.print(f"problem: {p}")
+    for title, lines, headers, rows in c.extra_sections(report):
+        console.print(f"[bold]{escape(title)}[/]")
+        for line in lines:
+            console.print(line, markup=False, highlight=False)
+        if rows:
+            console.print(_table("", headers, rows))
     short = {st.id: st.id.split("-", 1)[0] for st in report.steps}
     crit = [[r[0], short.get(r[1], r[1]), *r[2:]] for r in c.criteria_rows(report)]
     console.print(_table("criteria", c.CRITERIA_HEADERS, crit))
@@ -137,6 +143,14 @@ def render_diff(console: Console, data: dict[str, Any]) -> None:
             r["status"],
         )
     console.print(t)
+    for r in data.get("searches") or []:
+        route = f" ({r['route']})" if r.get("route") else ""
+        console.print(
+            f"search {r['param']} under {r['condition']}{route}: limit A {fmt(r['a_limit'])} "
+            f"{r['a_bracket']} → B {fmt(r['b_limit'])} {r['b_bracket']}: {r['status']}",
+            markup=False,
+            highlight=False,
+        )
     small = data.get("smallest_margin") or {}
     if small.get("a") or small.get("b"):
 

@@ -8,6 +8,7 @@ from typing import Any
 import typer
 
 from pdx.cli.output import emit, err_console
+from pdx.errors import InputError
 
 
 def accept(
@@ -23,20 +24,109 @@ def accept(
     repeat: int = typer.Option(
         1, "--repeat", min=1, max=100, help="run the playbook N times; judge how the runs agree"
     ),
+    search: str | None = typer.Option(
+        None,
+        "--search",
+        help="find the limit of rate, concurrency, rtt_ms, loss or bandwidth_mbps (the bracket "
+        "[last GO, first NO-GO]); sets search.param",
+    ),
+    search_range: str | None = typer.Option(
+        None, "--search-range", metavar="LO:HI", help="the range searched (search.range)"
+    ),
+    search_resolution: float | None = typer.Option(
+        None, "--search-resolution", help="stop when the bracket is this narrow"
+    ),
+    search_budget_s: float | None = typer.Option(
+        None, "--search-budget-s", help="wall time the probes may take (search.budget_s)"
+    ),
+    baseline: str | None = typer.Option(
+        None,
+        "--baseline",
+        help="colocated: run each step again with every request prefilled "
+        "locally and put the split beside it (sets baseline)",
+    ),
 ) -> None:
     """Run a playbook: deploy or target, load, inject faults, judge.
 
     Exit 0 GO, 1 NO-GO, 3 INCONCLUSIVE (the sample cannot decide a criterion), 2 could not run.
+    With --search: 0 a limit was found (or the whole range is GO), 1 NO-GO already at the
+    range's good end, 3 no limit decided (undecided probes, budget spent).
     """
     from pdx.accept.playbook import load_playbook
 
-    pb = load_playbook(playbook, dotted=set_)
+    dotted = [*set_, *_search_overrides(search, search_range, search_resolution, search_budget_s)]
+    if baseline is not None:
+        dotted.append(f"baseline={baseline}")
+    pb = load_playbook(playbook, dotted=dotted)
+    if pb.search.param is not None:
+        if repeat > 1:
+            raise InputError("--repeat", str(repeat), "1 with --search (each probe is a run)")
+        _search(pb, playbook, out, as_json=as_json, no_progress=no_progress)
     if repeat > 1:
         _repeat(pb, playbook, out, repeat, as_json=as_json, no_progress=no_progress)
     run = _run_once(pb, playbook, out, no_progress)
     assert run.report is not None
     emit(run.report, as_json=as_json, render=lambda c, r: _render_summary(c, r, run.report_dir))
     raise typer.Exit(run.report.exit_code)
+
+
+def _search_overrides(
+    param: str | None, span: str | None, resolution: float | None, budget_s: float | None
+) -> list[str]:
+    """The --search options as playbook overrides (search.*), checked where YAML cannot."""
+    out = [] if param is None else [f"search.param={param}"]
+    if span is not None:
+        lo, sep, hi = span.partition(":")
+        try:
+            out.append(f"search.range=[{float(lo)!r}, {float(hi)!r}]")
+        except ValueError:
+            raise InputError("--search-range", span, "LO:HI, two numbers, e.g. 2:40") from None
+        if not sep:
+            raise InputError("--search-range", span, "LO:HI, two numbers, e.g. 2:40")
+    if resolution is not None:
+        out.append(f"search.resolution={resolution!r}")
+    if budget_s is not None:
+        out.append(f"search.budget_s={budget_s!r}")
+    return out
+
+
+def _search(pb: Any, playbook: Path, out: Path, *, as_json: bool, no_progress: bool) -> None:
+    """``--search PARAM``: probes until the bracket is narrow; the report holds every one."""
+    import asyncio
+
+    from pdx.accept.search import limit_text
+    from pdx.accept.search_run import SearchRun
+
+    def on_probe(p: Any, ctx: dict[str, Any]) -> None:
+        if no_progress or as_json:
+            return
+        ratio = f", {p.binding} at {p.worst_ratio:.2f}× its threshold" if p.binding else ""
+        why = f" ({', '.join(p.failed or p.undecided)})" if p.verdict != "GO" else ""
+        err_console().print(
+            f"probe {p.step}: {ctx['param']} {p.value:g} → {p.verdict}{why}{ratio}; "
+            f"{p.requests} requests, {p.wall_s:.0f} s",
+            soft_wrap=True,
+            markup=False,
+            highlight=False,
+        )
+
+    run = SearchRun(pb, playbook, out, on_probe)
+    try:
+        asyncio.run(run.execute())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        where = f"; partial report: {run.report_dir}" if run.report else ""
+        typer.echo(f"interrupted ({run.interrupted_by}){where}", err=True)
+        raise typer.Exit(143 if run.interrupted_by == "SIGTERM" else 130) from None
+    report = run.report
+    assert report is not None
+
+    def render(console: Any, r: Any) -> None:
+        for s in r.search or []:
+            console.print(limit_text(s), soft_wrap=True, markup=False, highlight=False)
+        console.print(f"report: {run.report_dir}/report.html")
+
+    emit(report, as_json=as_json, render=render)
+    raise typer.Exit(report.exit_code)
 
 
 def _run_once(pb: Any, playbook: Path, out: Path, no_progress: bool) -> Any:
@@ -153,6 +243,7 @@ def diff(
         diff_predictions,
         diff_recommendations,
         diff_reports,
+        diff_searches,
         load_report,
         smallest_margin,
     )
@@ -166,6 +257,7 @@ def diff(
         "smallest_margin": {"a": smallest_margin(ra), "b": smallest_margin(rb)},
         "predictions": diff_predictions(ra, rb),
         "recommendations": diff_recommendations(ra, rb),
+        "searches": diff_searches(ra, rb),
     }
     emit(data, as_json=as_json, render=render_diff)
 

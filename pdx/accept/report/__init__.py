@@ -8,6 +8,7 @@ from pdx.accept.report.content import (
     CRITERIA_HEADERS,
     PREDICTION_HEADERS,
     criteria_rows,
+    extra_sections,
     headline,
     not_judged_lines,
     prediction_line,
@@ -21,6 +22,7 @@ from pdx.accept.report.diff import (
     diff_predictions,
     diff_recommendations,
     diff_reports,
+    diff_searches,
     smallest_margin,
 )
 from pdx.accept.report.schema import (
@@ -49,6 +51,8 @@ __all__ = [
     "diff_predictions",
     "diff_recommendations",
     "diff_reports",
+    "diff_searches",
+    "extra_sections",
     "headline",
     "load_report",
     "no_recommendations",

@@ -211,6 +211,10 @@ def recommendation_rows(report: Report) -> list[list[str]]:
 
 def headline(report: Report) -> str:
     state = "" if report.complete else " (INCOMPLETE: interrupted or failed before the end)"
+    if report.search:
+        from pdx.accept.search import limit_text
+
+        return f"{report.verdict}{state} — " + "; ".join(limit_text(s) for s in report.search)
     deciding = [c for c in report.criteria if not c.advisory]
     met = sum(1 for c in deciding if c.result == "pass")
     undecided = sum(1 for c in deciding if c.result == "indeterminate")
@@ -431,3 +435,78 @@ def _probe_lines(probe: dict[str, Any], s: dict[str, Any]) -> list[str]:
         f"- link verdict **{s['verdict']}** for KV demand {demand} Gbps: {', '.join(rules)}"
     )
     return lines
+
+
+# --- search, baseline, loose thresholds: (title, lines, headers, rows) sections ---------------
+
+Section = tuple[str, list[str], list[str], list[list[str]]]
+SEARCH_HEADERS = ["value", "verdict", "requests", "load s", "closest latency criterion",
+                  "failed / undecided", "step"]  # fmt: skip
+BASELINE_HEADERS = ["step", "order", "TTFT p50 split", "colocated", "TTFT p99 split",
+                    "colocated", "TPOT p50 split", "colocated", "goodput split (req/s)",
+                    "colocated", "the split"]  # fmt: skip
+
+
+def _with_interval(d: dict[str, Any], unit: str = " ms") -> str:
+    if d.get("value") is None:
+        return "–"
+    iv = d.get("interval")
+    span = f" [{_fmt(iv[0])}, {_fmt(iv[1])}]" if iv else ""
+    return f"{d['value']:.4g}{unit}{span}"
+
+
+def extra_sections(report: Report) -> list[Section]:
+    """The sections a search, a colocated baseline or loose thresholds add to a report."""
+    from pdx.accept.search import limit_text
+
+    out: list[Section] = []
+    for s in report.search or []:
+        lines = [limit_text(s)]
+        pred = s.get("prediction") or {}
+        if pred.get("why_not"):
+            lines.append(f"No prediction: {pred['why_not']}.")
+        elif pred:
+            lines.append(f"Predicted by the {pred.get('method', 'simulator')}; calibrated on "
+                         f"{pred.get('calibrated_on')}.")  # fmt: skip
+        if s.get("undecided"):
+            lines.append("Undecided after their extensions (counted as not GO): "
+                         + ", ".join(f"{v:g}" for v in s["undecided"]))  # fmt: skip
+        if s.get("non_monotone"):
+            lines.append("GO beyond a value that was not (noise; the bracket ignores them): "
+                         + ", ".join(f"{v:g}" for v in s["non_monotone"]))  # fmt: skip
+        rows = [
+            [f"{p['value']:g}", p["verdict"] + (" (extended)" if p["superseded"] else ""),
+             str(p["requests"]), f"{p['duration_s']:g}",
+             f"{p['binding']} {p['worst_ratio']:.2f}× threshold" if p.get("binding") else "–",
+             ", ".join(p["failed"] or p["undecided"]) or "–", p["step"]]
+            for p in s["probes"]
+        ]  # fmt: skip
+        title = f"Search: {s['param']} under {s['condition']}"
+        out.append((title + (f" ({s['route']})" if s.get("route") else ""), lines,
+                    SEARCH_HEADERS, rows))  # fmt: skip
+    if report.baseline:
+        b = report.baseline
+        rows = [
+            [r["step"], r["order"], _with_interval(r["split"]["ttft_p50_ms"]),
+             _with_interval(r["colocated"]["ttft_p50_ms"]),
+             _with_interval(r["split"]["ttft_p99_ms"]),
+             _with_interval(r["colocated"]["ttft_p99_ms"]),
+             _with_interval(r["split"]["tpot_p50_ms"]),
+             _with_interval(r["colocated"]["tpot_p50_ms"]),
+             _with_interval(r["split"]["goodput_rps"], ""),
+             _with_interval(r["colocated"]["goodput_rps"], ""), r["verdict"]]
+            for r in b["steps"]
+        ]  # fmt: skip
+        lines = [b["summary"] + "."] + [r["line"] for r in b["steps"]]
+        if b.get("capacity"):
+            lines.append(b["capacity"])
+        out.append(("Split vs colocated", lines, BASELINE_HEADERS, rows))
+    if report.not_a_constraint:
+        rows = [[n["name"], _fmt(n["threshold"]), str(n["steps"]),
+                 "∞" if n["headroom"] is None else f"{n['headroom']:g}×"]
+                for n in report.not_a_constraint]  # fmt: skip
+        lines = ["These thresholds are more than 10× what was measured on every step: "
+                 "not a constraint here, so the verdict says nothing about them."]  # fmt: skip
+        out.append(("Not a constraint here", lines, ["criterion", "threshold", "steps",
+                                                      "headroom"], rows))  # fmt: skip
+    return out

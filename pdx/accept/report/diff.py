@@ -112,3 +112,41 @@ def diff_recommendations(a: Report, b: Report) -> list[dict[str, Any]]:
         rows.append({"name": name, "a_value": va, "b_value": vb, "changed": va != vb,
                      "b_why": rb.why if rb else None})  # fmt: skip
     return rows
+
+
+def diff_searches(a: Report, b: Report) -> list[dict[str, Any]]:
+    """Per (param, condition, route) searched in either: A's and B's limit and bracket."""
+
+    def key(s: dict[str, Any]) -> tuple[str, str, str]:
+        return (s["param"], s["condition"], s.get("route") or "")
+
+    left = {key(s): s for s in a.search or []}
+    right = {key(s): s for s in b.search or []}
+    rows = []
+    for k in sorted(set(left) | set(right)):
+        sa, sb = left.get(k), right.get(k)
+        la, lb = (sa or {}).get("limit"), (sb or {}).get("limit")
+        change_pct = (lb - la) / la * 100 if la and lb is not None else None
+        rows.append({
+            "param": k[0], "condition": k[1], "route": k[2] or None,
+            "a_limit": la, "b_limit": lb,
+            "a_bracket": (sa or {}).get("bracket"), "b_bracket": (sb or {}).get("bracket"),
+            "a_outcome": (sa or {}).get("outcome"), "b_outcome": (sb or {}).get("outcome"),
+            "change_pct": None if change_pct is None else round(change_pct, 1),
+            "status": "only in A" if sb is None else "only in B" if sa is None else (
+                _limit_status(sa, sb)),
+        })  # fmt: skip
+    return rows
+
+
+def _limit_status(sa: dict[str, Any], sb: dict[str, Any]) -> str:
+    """Whether B's bracket lies wholly past A's (lower or higher limit), or they overlap."""
+    (ga, ba), (gb, bb) = sa["bracket"], sb["bracket"]
+    up = sa["param"] != "bandwidth_mbps"  # a higher limit is better for every other param
+    if None in (ga, gb):
+        return "no limit to compare"
+    if ba is not None and (gb >= ba if up else gb <= ba):
+        return "higher limit" if up else "lower limit (better)"
+    if bb is not None and (ga >= bb if up else ga <= bb):
+        return "lower limit" if up else "higher limit (worse)"
+    return "brackets overlap"

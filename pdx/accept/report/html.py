@@ -62,6 +62,10 @@ def render_html(report: Report, images: dict[str, str]) -> str:
     parts.append(
         "<h2>Validity</h2>" + (f"<ul>{items}</ul>" if items else "<p>All steps valid.</p>")
     )
+    for title, lines, headers, rows in c.extra_sections(report):
+        paras = "".join(f"<p>{esc(line)}</p>" for line in lines)
+        table = _html_table(headers, rows) if rows else ""
+        parts.append(f"<h2>{esc(title)}</h2>{paras}{table}")
     parts.append("<h2>Steps</h2>" + _html_table(c.STEP_HEADERS, c.step_rows(report)))
     if report.prediction_summary:
         items = "".join(f"<li>{esc(line)}</li>" for line in c.unexplained_lines(report))

@@ -51,6 +51,9 @@ def render_markdown(report: Report) -> str:
             or "Every step ran long enough, with enough requests, at the load asked for."
         )
     )
+    for title, lines, headers, rows in c.extra_sections(report):
+        body = "\n\n".join(lines)
+        parts.append(f"## {title}\n{body}" + (f"\n\n{_md_table(headers, rows)}" if rows else ""))
     parts.append("## Steps\n" + _md_table(c.STEP_HEADERS, c.step_rows(report)))
     if report.prediction_summary:
         parts.append(

@@ -18,7 +18,8 @@ SCHEMA_PATH = Path(__file__).parents[1] / "report.schema.json"
 # 2: recommendations became the settings object; the list is what_to_change.
 # 3: a criterion's result may be not_measured; threshold-0 criteria carry rate_bound; the link
 #    verdict is a criterion per step (link_verdict); not_judged lists the criteria set to null.
-SCHEMA_VERSION = 3
+# 4: search (pdx accept --search), baseline (split vs colocated), not_a_constraint.
+SCHEMA_VERSION = 4
 
 
 class StepReport(BaseModel):
@@ -101,7 +102,7 @@ class Report(BaseModel):
     """A signed-off (or refused) acceptance run."""
 
     model_config = ConfigDict(extra="forbid")
-    schema_version: Literal[3] = 3
+    schema_version: Literal[4] = 4
     name: str
     verdict: Literal["GO", "NO-GO", "INCONCLUSIVE"]
     valid: bool
@@ -143,6 +144,22 @@ class Report(BaseModel):
     environment: dict[str, Any]
     plots: list[str] = Field(default_factory=list, description="PNG files next to the report")
     problems: list[str] = Field(default_factory=list, description="why the run is incomplete")
+    search: list[dict[str, Any]] | None = Field(
+        default=None,
+        description="pdx accept --search: per searched condition the param, limit (last GO), "
+        "bracket [last GO, first NO-GO], outcome, every probe with its verdict and sample, the "
+        "simulator's predicted_limit and curve, and past the range its extrapolation",
+    )
+    baseline: dict[str, Any] | None = Field(
+        default=None,
+        description="baseline: colocated: per step the split beside every request prefilled "
+        "locally (TTFT p50/p99, TPOT p50, goodput with intervals) and whether the split pays",
+    )
+    not_a_constraint: list[dict[str, Any]] = Field(
+        default_factory=list,
+        description="criteria whose threshold is more than 10x the measured value on every "
+        "step: a GO says nothing about them",
+    )
 
 
 def report_schema() -> dict[str, Any]:
@@ -169,8 +186,8 @@ def load_report(directory: Path | str) -> Report:
         data = json.loads(p.read_text())
         if isinstance(data, dict) and data.get("schema_version") == 1:
             data = upgrade_v1(data)
-        if isinstance(data, dict) and data.get("schema_version") == 2:
-            data = dict(data, schema_version=3)  # 3 only adds fields and a result value
+        if isinstance(data, dict) and data.get("schema_version") in (2, 3):
+            data = dict(data, schema_version=4)  # 3 and 4 only add fields and a result value
         return Report.model_validate(data)
     except ValueError as exc:
         raise InputError("report", str(p), f"a valid pdx report.json ({exc})") from None
@@ -178,7 +195,7 @@ def load_report(directory: Path | str) -> Report:
 
 def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     """A schema-1 report as schema 2: its list of changes moves to what_to_change."""
-    out = dict(data, schema_version=3)
+    out = dict(data, schema_version=4)
     old = out.pop("recommendations", None)
     out["what_to_change"] = list(old) if isinstance(old, list) else []
     out["recommendations"] = {
