@@ -21,8 +21,9 @@ from typing import Any
 from pdx.accept.playbook import Condition, NetnsTarget
 from pdx.errors import PdxError
 
-HOST_ADDR = "10.77.3.1"
+HOST_ADDR = "10.77.3.1"  # the first host link; a run beside another takes the next free /30
 SITE_ADDR = "10.77.3.2"
+HOST_NET = "10.77.3"
 
 
 class NetnsUnavailable(PdxError):
@@ -47,6 +48,19 @@ def _ip(*args: str, check: bool = True) -> None:
         raise NetnsUnavailable(f"ip {' '.join(args)} failed: {proc.stderr.strip()}")
 
 
+def _free_host_link() -> tuple[str, str]:
+    """The first /30 of 10.77.3.0/24 no host interface holds: two runs side by side (another
+    prefix) get two host links instead of one address routed two ways."""
+    proc = subprocess.run(["ip", "-4", "-o", "addr", "show"], capture_output=True, text=True,
+                          check=False)  # fmt: skip
+    used = set(proc.stdout.split()) if proc.returncode == 0 else set()
+    for k in range(64):
+        host, site = f"{HOST_NET}.{4 * k + 1}", f"{HOST_NET}.{4 * k + 2}"
+        if f"{host}/30" not in used:
+            return host, site
+    raise NetnsUnavailable(f"every /30 of {HOST_NET}.0/24 is in use by another run's host link")
+
+
 class Topology:
     """Namespaces, host link and per-step kernel shaping for one run; ``down()`` removes all."""
 
@@ -56,6 +70,7 @@ class Topology:
         self.opts = opts
         self.cfg = make_config(prefix=opts.prefix, rate_mbit=opts.rate_mbit, mtu=opts.mtu)
         self.host_dev = f"{opts.prefix}-h"
+        self.host_addr, self.site_addr = _free_host_link()
         self.created = False
 
     @property
@@ -88,9 +103,9 @@ class Topology:
         _ip("link", "del", self.host_dev, check=False)  # a leftover of an interrupted run
         _ip("link", "add", self.host_dev, "type", "veth", "peer", "name", "eth-host", "netns",
             self.decode_ns)  # fmt: skip
-        _ip("addr", "replace", f"{HOST_ADDR}/30", "dev", self.host_dev)
+        _ip("addr", "replace", f"{self.host_addr}/30", "dev", self.host_dev)
         _ip("link", "set", "dev", self.host_dev, "up")
-        _ip("-n", self.decode_ns, "addr", "replace", f"{SITE_ADDR}/30", "dev", "eth-host")
+        _ip("-n", self.decode_ns, "addr", "replace", f"{self.site_addr}/30", "dev", "eth-host")
         _ip("-n", self.decode_ns, "link", "set", "dev", "eth-host", "up")
 
     def deploy_overrides(self, *, via_proxy: bool = False) -> list[str]:
@@ -102,11 +117,11 @@ class Topology:
         items = [
             f"prefill.netns={self.prefill_ns}",
             f"prefill.host={self.prefill_addr}",
-            f"gateway.host={SITE_ADDR}",
+            f"gateway.host={self.site_addr}",
             "tls.enabled=false",
         ]
         if via_proxy:
-            items += ["kv.via_proxy=true", f"kv.proxy_control_host={SITE_ADDR}"]
+            items += ["kv.via_proxy=true", f"kv.proxy_control_host={self.site_addr}"]
         return items
 
     def command_prefix(self) -> list[str]:
