@@ -10,14 +10,20 @@ measured on the path (documented in docs/kv-transfer.md, recorded in every trans
                 + 10 x RTT_ms    request round trips, slow start, a retry's backoff
                 + 2 x size x 8 / goodput x 1000        the bytes, with a factor 2 of margin
 
-RTT is the smallest seen (TCP's handshake RTT of each data-plane connection, the time of
-small gRPC calls); goodput is a moving average over transfers of at least 1 MiB, or
-``link_gbps`` when configured, or 100 Mbit/s before anything is measured.
+RTT samples are TCP's handshake RTT of each data-plane connection and the time of small gRPC
+calls (upper bounds of the path's RTT). The path's RTT is the smallest sample of the last
+10 s (BBR's min-RTT filter: a path whose RTT rose is seen as it is within 10 s); a deadline
+uses the larger of that and the newest sample, so the first request after the path's RTT
+rose (a reroute, a failover to a farther site) is not judged on the old one: its own first
+round trip extends its deadline. Goodput is a moving average over transfers of at least
+1 MiB, or ``link_gbps`` when configured, or 100 Mbit/s before anything is measured.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
 from dataclasses import dataclass
 
 DEADLINE_FLOOR_MS = 300.0
@@ -27,6 +33,7 @@ BYTES_FACTOR = 2.0
 ASSUMED_GOODPUT_BPS = 100e6
 MIN_SAMPLE_BYTES = 1 << 20
 _EWMA = 0.3
+RTT_WINDOW_S = 10.0
 
 
 def derived_deadline_ms(size_bytes: int, rtt_ms: float, goodput_bps: float, cold: bool) -> float:
@@ -51,18 +58,31 @@ class PathEstimate:
 
     def __init__(self, link_gbps: float | None = None) -> None:
         self.link_bps = link_gbps * 1e9 if link_gbps else None
-        self.rtt_ms: float | None = None
+        self._rtts: deque[tuple[float, float]] = deque(maxlen=256)  # (monotonic s, ms)
         self.goodput_bps: float | None = None
         self.largest_bytes = 0  # the largest object seen, for a Get of unknown size
         self.warm = False
         self._lock = threading.Lock()
 
     def observe_rtt(self, rtt_ms: float) -> None:
-        """A round trip (an upper bound of the path's RTT): keep the smallest."""
+        """A round trip (an upper bound of the path's RTT)."""
         if rtt_ms <= 0:
             return
         with self._lock:
-            self.rtt_ms = rtt_ms if self.rtt_ms is None else min(self.rtt_ms, rtt_ms)
+            self._rtts.append((time.monotonic(), rtt_ms))
+
+    @property
+    def rtt_ms(self) -> float | None:
+        """The path's RTT: the smallest sample of the last ``RTT_WINDOW_S`` (else the newest)."""
+        with self._lock:
+            return self._windowed_min()
+
+    def _windowed_min(self) -> float | None:
+        if not self._rtts:
+            return None
+        since = time.monotonic() - RTT_WINDOW_S
+        recent = [ms for t, ms in self._rtts if t >= since]
+        return min(recent) if recent else self._rtts[-1][1]
 
     def observe_success(self, nbytes: int, seconds: float) -> None:
         """A request that worked; one of at least 1 MiB also measures goodput."""
@@ -77,7 +97,10 @@ class PathEstimate:
     def deadline(self, size_bytes: int | None, explicit_ms: float | None) -> Deadline:
         """The deadline of a request moving ``size_bytes`` (None: the largest seen so far)."""
         with self._lock:
-            rtt, measured, warm = self.rtt_ms, self.goodput_bps, self.warm
+            rtt = self._windowed_min()
+            if rtt is not None:  # never judged on an RTT older than the newest round trip
+                rtt = max(rtt, self._rtts[-1][1])
+            measured, warm = self.goodput_bps, self.warm
             size = self.largest_bytes if size_bytes is None else size_bytes
         goodput = measured or self.link_bps or ASSUMED_GOODPUT_BPS
         gbps = round(goodput / 1e9, 4)

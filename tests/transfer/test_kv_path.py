@@ -96,3 +96,18 @@ def test_probe_recommendations_are_accepted_by_deploy_as_printed() -> None:
     assert rec["sysctl"] == {"server net.ipv4.tcp_wmem": f"4096 131072 {12 << 20}"}
     cfg = load_deploy_config(dotted=[f"{k}={v}" for k, v in rec["set"].items()])
     assert (cfg.kv.streams, cfg.kv.link_gbps, cfg.kv.chunk_size_kb) == (3, 0.92, 4096)
+
+
+def test_a_path_whose_rtt_rose_is_judged_on_the_new_rtt() -> None:
+    path = PathEstimate()
+    for _ in range(20):
+        path.observe_rtt(0.05)  # loopback-like, then the route changes to a far site
+    path.observe_success(1000, 0.001)
+    before = path.deadline(100_000, None)
+    assert before.ms == pytest.approx(
+        derived_deadline_ms(100_000, 0.05, ASSUMED_GOODPUT_BPS, cold=False), abs=0.1
+    )
+    path.observe_rtt(82.0)  # the first round trip on the new path
+    after = path.deadline(100_000, None)
+    assert after.rtt_ms == 82.0 and after.ms >= DEADLINE_FLOOR_MS + 10 * 82.0
+    assert path.rtt_ms == 0.05  # the path's RTT: its min-RTT filter still holds the old floor
