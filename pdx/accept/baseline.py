@@ -9,10 +9,10 @@ criteria are judged and shown but are advisory: the baseline never decides the v
 Per step the report sets the two side by side: TTFT p50 / p99 and TPOT p50 with their
 order-statistic intervals, and goodput: the requests per second that met every per-request
 latency threshold (TTFT ≤ ``ttft_p99_ms``, TPOT ≤ ``tpot_p99_ms``, whichever the playbook
-sets), with the interval of that share. The split *pays* when its TTFT p50 interval lies
-wholly below the twin's and its goodput interval is not wholly below; it *costs* when its TTFT
-p50 interval lies wholly above (or its goodput interval wholly below); otherwise the sample
-shows no difference.
+sets), with its Garwood (Poisson) interval. The split *pays* when its TTFT p50 interval lies
+wholly below the twin's or its goodput interval wholly above, and neither is the other way;
+it *costs* in the mirror case; *mixed* when one figure pays and the other costs; otherwise
+the sample shows no difference.
 """
 
 from __future__ import annotations
@@ -71,11 +71,10 @@ def side(
             "interval": [b.low, b.high] if b is not None else None,
         }
     met = sum(1 for r in rows if _meets(r, criteria))
-    n, span = len(rows), max(elapsed_s, 1e-9)
-    share = ci.proportion_bounds(met, n, confidence) if n and confidence else None
-    interval = None
-    if share is not None:
-        interval = [None if b is None else round(b * n / span, 3) for b in (share.low, share.high)]
+    span = max(elapsed_s, 1e-9)
+    rate = ci.poisson_rate_bounds(met, span, confidence) if confidence else None
+    interval = None if rate is None else [
+        None if b is None else round(b, 3) for b in (rate.low, rate.high)]  # fmt: skip
     out["goodput_rps"] = {"value": round(met / span, 3), "interval": interval, "met": met}
     out["disaggregated"] = sum(1 for r in rows if (r.get("pdx") or {}).get("route") ==
                                "disaggregated")  # fmt: skip
@@ -103,9 +102,13 @@ def compare(
     """One step's row: both sides, the differences, and what the split pays or costs."""
     s50, c50 = split["ttft_p50_ms"], colo["ttft_p50_ms"]
     sg, cg = split["goodput_rps"], colo["goodput_rps"]
-    if _above(c50, s50) and not _above(cg, sg):
+    better = [w for w, yes in (("TTFT p50", _above(c50, s50)), ("goodput", _above(sg, cg))) if yes]
+    worse = [w for w, yes in (("TTFT p50", _above(s50, c50)), ("goodput", _above(cg, sg))) if yes]
+    if better and worse:
+        verdict = "mixed"
+    elif better:
         verdict = "pays"
-    elif _above(s50, c50) or _above(cg, sg):
+    elif worse:
         verdict = "costs"
     else:
         verdict = "no difference shown"
@@ -121,28 +124,35 @@ def compare(
         "ttft_p50_delta_ms": delta,
         "goodput_delta_rps": round(sg["value"] - cg["value"], 3),
         "verdict": verdict,
-        "line": line(step.id, verdict, s50, c50, sg, cg),
+        "better": better,
+        "worse": worse,
+        "line": line(step.id, verdict, (better, worse), (s50, c50), (sg, cg)),
     }
 
 
 def line(
     step: str,
     verdict: str,
-    s50: dict[str, Any],
-    c50: dict[str, Any],
-    sg: dict[str, Any],
-    cg: dict[str, Any],
+    which: tuple[list[str], list[str]],
+    ttft: tuple[dict[str, Any], dict[str, Any]],
+    goodput: tuple[dict[str, Any], dict[str, Any]],
 ) -> str:
-    """``s00…: the split pays here: TTFT p50 41 ms vs 63 ms colocated (-35 %), …``."""
+    """``s00…: the split pays here (TTFT p50): TTFT p50 41 ms split vs 63 ms colocated …``."""
 
     def ms(d: dict[str, Any]) -> str:
         return "–" if d["value"] is None else f"{d['value']:.4g} ms"
 
+    (s50, c50), (sg, cg) = ttft, goodput
     pct = ""
     if s50["value"] is not None and c50["value"]:
         pct = f" ({(s50['value'] - c50['value']) / c50['value'] * 100:+.0f} %)"
-    head = {"pays": "the split pays here", "costs": "the split costs here",
-            "no difference shown": "no difference this sample can show"}[verdict]  # fmt: skip
+    better, worse = which
+    head = {
+        "pays": f"the split pays here ({', '.join(better)})",
+        "costs": f"the split costs here ({', '.join(worse)})",
+        "mixed": f"the split pays on {', '.join(better)} and costs on {', '.join(worse)}",
+        "no difference shown": "no difference this sample can show",
+    }[verdict]
     return (
         f"{step}: {head}: TTFT p50 {ms(s50)} split vs {ms(c50)} colocated{pct}; goodput "
         f"{sg['value']:g} vs {cg['value']:g} req/s"
@@ -152,13 +162,15 @@ def line(
 def summary(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """The run's baseline section: every step's row and one line over all of them."""
     counts = {v: sum(1 for r in rows if r["verdict"] == v)
-              for v in ("pays", "costs", "no difference shown")}  # fmt: skip
+              for v in ("pays", "costs", "mixed", "no difference shown")}  # fmt: skip
     if counts["costs"] and not counts["pays"]:
         head = f"the split costs in {counts['costs']} of {len(rows)} steps and pays in none"
     elif counts["pays"] and not counts["costs"]:
         head = f"the split pays in {counts['pays']} of {len(rows)} steps and costs in none"
     elif counts["pays"] or counts["costs"]:
         head = f"the split pays in {counts['pays']} and costs in {counts['costs']} of {len(rows)}"
+    elif counts["mixed"]:
+        head = f"the split pays on one figure and costs on another in {counts['mixed']} steps"
     else:
         head = f"no difference the samples can show in any of {len(rows)} steps"
     return {"kind": "colocated", "summary": head, "counts": counts, "steps": rows}

@@ -60,7 +60,7 @@ class NetnsTarget(BaseModel):
     KV byte crosses ``<prefix>-router``, where each step's ``bandwidth_mbps``, ``delay_ms``,
     ``jitter_ms`` and ``loss`` act on every wire packet (netem, or pdx's userspace emulator);
     link cuts are applied by the deploy's KV fault proxy on the decode side (connections
-    reset). A host link ``10.77.3.0/30`` joins this
+    reset). A host link (the first free /30 of ``10.77.3.0/24``) joins this
     namespace to the decode site so the load generator (and the proxy's control) reach it.
     """
 

@@ -149,9 +149,15 @@ _MARK = {"GO": ("o", "tab:green"), "NO-GO": ("x", "tab:red"), "INCONCLUSIVE": ("
 def _envelope(ax: Any, s: dict[str, Any]) -> None:
     """A search: its probes (measured), its bracket, the simulator's curve."""
     curve = (s.get("prediction") or {}).get("curve") or []
-    if curve:
-        ax.plot([p["value"] for p in curve], [p["ratio"] for p in curve], "-", color="grey",
+    lo, hi = s["range"]
+    inside = [p for p in curve if lo <= p["value"] <= hi]
+    past = [p for p in curve if not lo <= p["value"] <= hi]
+    if inside:
+        ax.plot([p["value"] for p in inside], [p["ratio"] for p in inside], "-", color="grey",
                 label="predicted (simulator)")  # fmt: skip
+    if past:  # past the probed range: the simulator's extrapolation, drawn apart
+        ax.plot([p["value"] for p in past], [p["ratio"] for p in past], ":", color="grey",
+                label="predicted past the range")  # fmt: skip
     for verdict, (marker, color) in _MARK.items():
         pts = [(p["value"], p["worst_ratio"]) for p in s["probes"]
                if p["verdict"] == verdict and p.get("worst_ratio") is not None]  # fmt: skip
@@ -164,7 +170,9 @@ def _envelope(ax: Any, s: dict[str, Any]) -> None:
     elif good is not None:
         ax.axvline(good, color="tab:blue", alpha=0.5, label="limit (last GO)")
     ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="threshold")
-    lo, hi = s["range"]
+    measured = [p["worst_ratio"] for p in s["probes"] if p.get("worst_ratio") is not None]
+    ax.set_ylim(0, max(2.0, 1.3 * max(measured, default=0.0)))
+    ax.set_xlim(lo / 1.2, hi * 1.2)
     if hi / lo >= 10:
         ax.set_xscale("log")
     ax.set_xlabel(f"{s['param']} ({s['unit']})")

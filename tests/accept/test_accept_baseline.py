@@ -7,6 +7,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from smoke_helpers import SHORT_SMOKE
 from typer.testing import CliRunner
 
 from pdx.accept.report import SCHEMA_PATH
@@ -18,10 +19,8 @@ pytestmark = pytest.mark.slow
 
 
 def test_split_beside_colocated(tmp_path: Path) -> None:
-    sets = ["matrix.network=[normal]", "matrix.duration_s=10", "judgement.zero_rate_bound=0.05",
-            "judgement.replay_requests=60", "preflight.measure_kv=false"]  # fmt: skip
     args = ["accept", str(SMOKE), "--baseline", "colocated", "--out", str(tmp_path),
-            "--no-progress", *[a for s in sets for a in ("--set", s)]]  # fmt: skip
+            "--no-progress", *[a for s in SHORT_SMOKE for a in ("--set", s)]]  # fmt: skip
     r = CliRunner().invoke(app, args)
     (path,) = list(tmp_path.glob("*/report.json"))
     data = json.loads(path.read_text())
@@ -46,6 +45,7 @@ def test_split_beside_colocated(tmp_path: Path) -> None:
     assert (tmp_path / path.parent.name / "raw" / row["colocated_step"]).is_dir()
     md = (path.parent / "report.md").read_text()
     assert "## Split vs colocated" in md and row["line"] in md
-    # loose thresholds say so: smoke's 2 s TPOT p99 against a tiny model's few ms
-    assert any(n["name"] == "tpot_p99_ms" for n in data["not_a_constraint"])
+    # loose thresholds say so: smoke's 2 s TTFT p50 against a tiny model's tens of ms
+    loose = {n["name"]: n for n in data["not_a_constraint"]}
+    assert "ttft_p50_ms" in loose and loose["ttft_p50_ms"]["headroom"] > 10
     assert "## Not a constraint here" in md

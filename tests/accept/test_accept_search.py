@@ -165,6 +165,10 @@ def test_the_split_pays_costs_or_shows_no_difference() -> None:
     assert "the split costs here" in row["line"] and "+100 %" in row["line"]
     overlap = side(310, 250, 650, 5.0)
     assert compare(st, twin, overlap, slow, True)["verdict"] == "no difference shown"
+    fast_but_fewer = side(300, 280, 320, 2.0)  # TTFT better, goodput wholly below
+    mixed = compare(st, twin, fast_but_fewer, slow, True)
+    assert mixed["verdict"] == "mixed" and mixed["better"] == ["TTFT p50"]
+    assert "pays on TTFT p50 and costs on goodput" in mixed["line"]
 
 
 def test_report_diff_compares_two_searches() -> None:
