@@ -380,6 +380,12 @@ class Search(BaseModel):
     probe_duration_s: PositiveFloat | None = Field(
         default=None, description="each probe's load duration; default matrix.duration_s"
     )
+    fresh_deploy: bool = Field(
+        default=True,
+        description="start the deployment afresh before every probe (after the first), so "
+        "each probe sees what a plain run at that value sees, not the breaker window, TCP "
+        "windows and estimates earlier probes left; off: one deployment for all (faster)",
+    )
     max_extensions: Annotated[int, Field(ge=0, le=4)] = Field(
         default=2,
         description="an INCONCLUSIVE probe is run again this many times at most, each twice "

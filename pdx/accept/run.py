@@ -175,10 +175,14 @@ class AcceptRun:
             self.target_info = {"kind": "url", "url": self.url}
             await check_reachable(self.url + t.ready_path, min(t.ready_timeout_s, 10.0))
             return
+        topology = await self._start_topology() if t.netns.enabled else None
+        await self._start_pair(topology)
+
+    async def _start_pair(self, topology: Topology | None) -> None:
+        """``pdx deploy`` (in the topology's sites when there is one), ready to be loaded."""
         from pdx.accept.deploy_target import start_deploy
 
-        topology = await self._start_topology() if t.netns.enabled else None
-        t = self._with_audit(t)
+        t = self._with_audit(self.pb.target)
 
         def keep(proc: DeployProcess) -> None:
             self.deploy = proc

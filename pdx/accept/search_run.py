@@ -11,6 +11,7 @@ criterion, the gates); :mod:`pdx.accept.search` picks the values and folds the v
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from collections.abc import Callable
@@ -185,6 +186,8 @@ class SearchRun(AcceptRun):
             step = self._step(value, net, tpl, duration)
             self.steps.append(step)
             t = time.monotonic()
+            if self.outcomes and self.pb.search.fresh_deploy and self.pb.target.deploy:
+                await self._fresh_pair()
             outcome = await self._run_step(step, locustfile)
             wall = time.monotonic() - t
             self._overheads.append(max(0.0, wall - duration))
@@ -200,6 +203,21 @@ class SearchRun(AcceptRun):
         if final is not None:
             final.superseded = False
         return final
+
+    async def _fresh_pair(self) -> None:
+        """Stop the deployment and start it again, warmed up as the first one was."""
+        if self.link is not None:
+            with contextlib.suppress(Exception):
+                await self.link.clear()
+            self.link = None
+        if self.deploy is not None:
+            await self.deploy.stop()
+        await self._start_pair(self.topology)
+        self.gates = self._gate_context()
+        if self.pb.load.warmup_requests and self.steps:
+            from pdx.accept.warmup import warm_up
+
+            await warm_up(self.pb, self.url, self.steps[-1], self.pb.load.warmup_requests)
 
     def _extended(self, duration: float, o: StepOutcome) -> float:
         """Twice as long, or as long as the sample its undecided criteria name needs (+10 %),
