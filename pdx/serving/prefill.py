@@ -38,6 +38,10 @@ from pdx.transfer.contract import KVError, KVLayout
 from pdx.transfer.server import create_kv_server
 
 SERVICE = "pdx.serving.v1.Prefill"
+#: A whole object is handed to the in-process writer in slices this size (what one streamed
+#: layer's tensor is for an 8B-class model at 4k tokens), so the event loop is never held
+#: for the whole object's digests.
+WHOLE_WRITE_SLICE_BYTES = 8 * 1024 * 1024
 
 
 class KVSink(Protocol):
@@ -412,11 +416,13 @@ def describe(servicer: PrefillServicer) -> dict[str, Any]:
 
 
 class StoreSink:
-    """Puts KV into this process's own store through the KV client (the contract's Put).
+    """Puts KV into this process's own store (the contract's Open + Put rules).
 
-    A streamed object (kv.streaming) is written straight into ``local_service``, the store
-    this process holds, when given (:class:`pdx.transfer.local.LocalWriter`: the rules of
-    Open + Put without a loopback gRPC stream); else through the client's Open + Put.
+    With ``local_service``, the store this process holds, every object (whole or streamed,
+    kv.streaming) is written straight into it by one writer
+    (:class:`pdx.transfer.local.LocalWriter`: the rules of Open + Put without a loopback gRPC
+    stream, which in one Python process costs as much CPU as the transfer itself); without
+    it, through the KV client's Put (whole) or Open + Put (streamed).
     """
 
     def __init__(self, client: Any, endpoint: str, local_service: Any = None) -> None:
@@ -427,10 +433,22 @@ class StoreSink:
     async def put(self, encoded: EncodedKV, model_version: str, ttl_s: int) -> tuple[str, int]:
         """Store ``encoded``; return (kv_id, stored bytes)."""
         layout = KVLayout(**encoded.layout)
-        kv_id = await self.client.put(
-            encoded.payload, layout, model_version=model_version, ttl_s=ttl_s
-        )
-        return str(kv_id), len(encoded.payload)
+        if self.local_service is None:
+            kv_id = await self.client.put(
+                encoded.payload, layout, model_version=model_version, ttl_s=ttl_s
+            )
+            return str(kv_id), len(encoded.payload)
+        payload = memoryview(encoded.payload)
+        writer = await self.open(len(payload), layout.codec, model_version, ttl_s)
+        try:
+            for start in range(0, len(payload), WHOLE_WRITE_SLICE_BYTES):
+                writer.write(payload[start : start + WHOLE_WRITE_SLICE_BYTES])
+                await asyncio.sleep(0)  # other calls on this loop run between slices
+            info = await writer.close(layout)
+        except BaseException:
+            writer.abort()
+            raise
+        return str(writer.kv_id), int(info.size_bytes)
 
     async def open(self, reserve_bytes: int, codec: str, model_version: str, ttl_s: int) -> Any:
         """Open a streamed object reserving ``reserve_bytes``; return its writer."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -156,6 +157,31 @@ def test_synthetic_roofline_times() -> None:
     )
     params = syn.spec.params_active  # type: ignore[attr-defined]
     assert syn.prefill_seconds(1000) == pytest.approx(2 * 1000 * params / 100e12)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("compute", ["sleep", "spin"])
+def test_synthetic_compute_passes_the_roofline_time_asleep_or_on_a_core(compute: str) -> None:
+    # tiny-llama, 1e5 active params: 100 tokens at 4e-5 TFLOP/s = 0.5 s of prefill.
+    ids = list(range(4, 104))
+    instant = create_backend(BackendConfig(backend="synthetic", synthetic_time_scale=0))
+    want_state, want_logits = instant.prefill(ids)
+    cfg = BackendConfig(backend="synthetic", prefill_tflops=4e-5, synthetic_compute=compute)
+    syn = create_backend(cfg)
+    layers: list[int] = []
+    for run in (
+        lambda: syn.prefill(ids),
+        lambda: syn.prefill_layers(ids, lambda tensors, _roles: layers.append(len(tensors))),
+    ):
+        wall, cpu = time.perf_counter(), time.thread_time()
+        state, logits = run()
+        wall, cpu = time.perf_counter() - wall, time.thread_time() - cpu
+        assert 0.5 <= wall < 3.0
+        if compute == "spin":  # this thread computed (a busy shared box lends it less)
+            assert cpu > 0.05 and syn.clock.products > 0  # type: ignore[attr-defined]
+        else:
+            assert cpu < 0.02
+        assert state.nbytes == want_state.nbytes and torch.equal(logits, want_logits)
+    assert layers == [2, 2]  # each layer's K and V, handed over as the pass reaches them
 
 
 @given(st.text(max_size=40))

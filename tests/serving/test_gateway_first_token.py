@@ -85,18 +85,17 @@ async def test_first_token_streams_before_the_put_completes(
     assert timings["prefill_stored_event"] > timings["prefill_first_event"]
 
 
-async def test_failed_put_after_the_first_token_degrades_to_local(
-    trio: tuple[Gateway, PrefillNode],
-) -> None:
-    gw, prefill = trio
-    await prefill.kv_server.stop(0)  # the Put fails once prefill has sent the first token
-    got = await ask(gw, "disaggregated")
-    pdx = got["pdx"]
-    assert pdx["route"] == "local" and pdx["degraded"]
-    assert pdx["degrade_reason"] == "kv_store_failed"
-    assert pdx["timings_ms"]["prefill_first_event"] is not None
-    assert got["choices"][0]["token_ids"] == (await ask(gw, "local"))["choices"][0]["token_ids"]
-    metrics = f"http://127.0.0.1:{gw.port}/metrics"
-    async with aiohttp.ClientSession() as s, s.get(metrics) as r:
-        text = await r.text()
+async def test_failed_put_after_the_first_token_degrades_to_local() -> None:
+    # The object does not fit prefill's store: the Put fails once the first token is out.
+    async with inprocess_pair([*SETS, "kv.store_budget_bytes=4096"]) as (gw, _, _):
+        got = await ask(gw, "disaggregated")
+        pdx = got["pdx"]
+        assert pdx["route"] == "local" and pdx["degraded"]
+        assert pdx["degrade_reason"] == "kv_store_failed"
+        assert pdx["timings_ms"]["prefill_first_event"] is not None
+        local = await ask(gw, "local")
+        assert got["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
+        metrics = f"http://127.0.0.1:{gw.port}/metrics"
+        async with aiohttp.ClientSession() as s, s.get(metrics) as r:
+            text = await r.text()
     assert 'pdx_gateway_degradations_total{reason="kv_store_failed"} 1.0' in text

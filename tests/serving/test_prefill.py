@@ -143,10 +143,45 @@ async def test_stream_answers_the_first_token_before_the_put_completes(node: Pre
     assert obj.info.size_bytes == stored.kv_bytes and stored.kv_raw_bytes == state.nbytes
 
 
+async def test_whole_objects_are_written_in_process_by_the_streamed_objects_writer(
+    node: PrefillNode,
+) -> None:
+    # Both kv.streaming modes store through one writer (LocalWriter), not a loopback Put.
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+        reply = await serving_pb2_grpc.PrefillStub(ch).Prefill(request(PROMPT), timeout=30)
+    assert not reply.kv_streamed
+    puts = node.kv_server.service.audit.records(event="put", kv_id=reply.kv_id)
+    assert [(p["transport"], p["outcome"], p["bytes"]) for p in puts] == [
+        ("local", "ok", reply.kv_bytes)
+    ]
+    assert node.client.records() == []  # the KV client sent nothing
+    assert node.kv_server.store.used_bytes == reply.kv_bytes  # no reservation left over
+
+
 async def test_stream_reports_a_failed_put_after_the_first_token() -> None:
+    n = await start(None, "kv.store_budget_bytes=4096")  # the object cannot fit the store
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{n.port}") as ch:
+            call = serving_pb2_grpc.PrefillStub(ch).PrefillStream(request(PROMPT), timeout=30)
+            first = await call.read()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await call.read()
+    finally:
+        await n.stop(0.5)
+    assert first.HasField("first")
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "KV store put" in (err.value.details() or "")
+    assert "above budget" in (err.value.details() or "")
+
+
+async def test_stream_reports_a_failed_client_put_after_the_first_token() -> None:
+    # A sink without the store in its process Puts through the KV client, here to a stopped
+    # store: the Put cannot succeed.
     n = await start(None, "kv.kv_transfer_timeout_ms=1500", "kv.kv_retry_budget=1")
     try:
-        await n.kv_server.stop(0)  # the store is gone: the Put cannot succeed
+        assert n.servicer is not None
+        n.servicer.sink = StoreSink(n.client, n.servicer.sink.endpoint)
+        await n.kv_server.stop(0)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{n.port}") as ch:
             call = serving_pb2_grpc.PrefillStub(ch).PrefillStream(request(PROMPT), timeout=30)
             first = await call.read()

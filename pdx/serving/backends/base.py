@@ -46,6 +46,11 @@ class BackendConfig(BaseModel):
     prefill_tflops: float = Field(50.0, gt=0, description="synthetic: effective prefill TFLOP/s")
     decode_hbm_gbps: float = Field(2000.0, gt=0, description="synthetic: HBM bandwidth in GB/s")
     synthetic_time_scale: float = Field(1.0, ge=0, description="synthetic: multiply compute time")
+    synthetic_compute: Literal["sleep", "spin"] = Field(
+        "sleep",
+        description="synthetic: compute time asleep (no CPU), or spun on matrix products that "
+        "keep torch_threads cores busy with the GIL released (as a forward pass does)",
+    )
 
     @field_validator("backend")
     @classmethod

@@ -4,6 +4,12 @@ It lets a CPU box push a large model's KV (the exact per-layer layout and byte s
 measure-kv computes for the model) through a real link. Tokens are a deterministic function
 of the previous token and position, so two paths can still be compared; every output is
 labelled synthetic.
+
+The roofline's compute time passes asleep (``model.synthetic_compute: sleep``, the default: no
+CPU, so everything else in the process runs as if on an idle machine) or spinning
+(``spin``: back-to-back 256×256 float32 matrix products on the model thread until the same
+deadline, so ``model.torch_threads`` cores (default one) are busy for the modelled time, with
+the GIL released inside each product as torch releases it for a real forward pass).
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from pdx.serving.backends.tokenizer import ByteTokenizer, Tokenizer
 
 _VOCAB = 260
 _KV_CACHE_LENGTHS = 2  # prompt lengths whose KV bytes are kept for reuse
+_SPIN_SIZE = 256  # one spin product: 33.5 MFLOP, ~0.4 ms on one core of a small CPU
 
 
 @dataclass(frozen=True)
@@ -118,8 +125,37 @@ def synthetic_spec(preset: str) -> SyntheticSpec:
     return spec
 
 
+class ComputeClock:
+    """Lets modelled compute time pass until a deadline: asleep, or spinning on products.
+
+    A spin is bounded by its deadline (``time.perf_counter``) and overshoots it by at most
+    one product; its operands are only read, so threads may share a clock.
+    """
+
+    def __init__(self, spin: bool) -> None:
+        self.spin = spin
+        gen = torch.Generator().manual_seed(0)
+        self._a = torch.rand(_SPIN_SIZE, _SPIN_SIZE, generator=gen) if spin else None
+        self._b = torch.rand(_SPIN_SIZE, _SPIN_SIZE, generator=gen) if spin else None
+        self.products = 0  # spin products run so far
+
+    def until(self, deadline_s: float) -> None:
+        """Return once ``time.perf_counter()`` has reached ``deadline_s``."""
+        if self._a is None or self._b is None:
+            time.sleep(max(0.0, deadline_s - time.perf_counter()))
+            return
+        while time.perf_counter() < deadline_s:
+            torch.mm(self._a, self._b)
+            self.products += 1
+
+    def wait(self, seconds: float) -> None:
+        """Let ``seconds`` of compute pass from now."""
+        self.until(time.perf_counter() + seconds)
+
+
 class SyntheticBackend(ModelBackend):
-    """KV tensors of the imitated model's exact bytes; compute time by roofline sleep."""
+    """KV tensors of the imitated model's exact bytes; compute time by the roofline, asleep
+    or spinning (``synthetic_compute``)."""
 
     name = "synthetic"
     synthetic = True
@@ -130,6 +166,9 @@ class SyntheticBackend(ModelBackend):
         self._tokenizer = ByteTokenizer()
         self._gen_seed = cfg.seed
         self._kv_cache: dict[int, list[tuple[list[torch.Tensor], list[Any]]]] = {}
+        self.clock = ComputeClock(cfg.synthetic_compute == "spin")
+        if self.clock.spin and cfg.torch_threads:
+            torch.set_num_threads(cfg.torch_threads)  # the spin's cores, as for a real model
 
     @property
     def model_version(self) -> str:
@@ -149,7 +188,7 @@ class SyntheticBackend(ModelBackend):
 
     @property
     def prefill_tflops(self) -> float:
-        """The configured roofline speed (what the sleep imitates)."""
+        """The configured roofline speed (what the compute time imitates)."""
         return self.cfg.prefill_tflops
 
     def prefill_seconds(self, tokens: int) -> float:
@@ -213,7 +252,7 @@ class SyntheticBackend(ModelBackend):
         return KVState(tensors=tensors, length=length, roles=roles)
 
     def prefill(self, token_ids: list[int]) -> tuple[KVState, torch.Tensor]:
-        time.sleep(self.prefill_seconds(len(token_ids)) * self.cfg.synthetic_time_scale)
+        self.clock.wait(self.prefill_seconds(len(token_ids)) * self.cfg.synthetic_time_scale)
         first = self._next_token(sum(token_ids), len(token_ids))
         return self._state(len(token_ids)), self._logits([first])[0]
 
@@ -233,12 +272,12 @@ class SyntheticBackend(ModelBackend):
         ready = self.spec.kv_ready_fraction
         for i, (layer_tensors, layer_roles) in enumerate(self._layers(n)):
             # The layer's K and V exist once its attention projections ran.
-            time.sleep(max(0.0, start + (i + ready) * per_layer_s - time.perf_counter()))
+            self.clock.until(start + (i + ready) * per_layer_s)
             on_layer(layer_tensors, layer_roles)
             tensors += layer_tensors
             roles += layer_roles
         end = start + len(self.spec.layers) * per_layer_s  # the last layer's remainder
-        time.sleep(max(0.0, end - time.perf_counter()))
+        self.clock.until(end)
         first = self._next_token(sum(token_ids), n)
         return KVState(tensors=tensors, length=n, roles=roles), self._logits([first])[0]
 
@@ -253,7 +292,7 @@ class SyntheticBackend(ModelBackend):
         self, states: list[KVState], last_tokens: list[int]
     ) -> tuple[list[KVState], torch.Tensor]:
         context = sum(s.length for s in states)
-        time.sleep(self.decode_step_seconds(context) * self.cfg.synthetic_time_scale)
+        self.clock.wait(self.decode_step_seconds(context) * self.cfg.synthetic_time_scale)
         # The KV is not extended token by token (it carries no information here); only its
         # length advances, which is what the roofline step time depends on.
         new = [KVState(s.tensors, s.length + 1, s.roles) for s in states]
