@@ -33,7 +33,7 @@ typecheck: $(STAMP)
 	$(BIN)/mypy
 
 unit: $(STAMP) system-tools vllm-if-possible
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 # The vLLM environment (engine: vllm) in its own venv, .venv-vllm; pdx's .venv is not touched.
 # `make vllm` fails when it cannot build; `make test` builds it when the machine can (Linux

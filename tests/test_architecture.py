@@ -9,6 +9,7 @@ back up is still a back-pointer. docs/architecture.md states the same rules for 
 from __future__ import annotations
 
 import ast
+import functools
 from collections import defaultdict
 from pathlib import Path
 
@@ -80,6 +81,7 @@ def _targets(
     return [f"{prefix}.{a.name}" if f"{prefix}.{a.name}" in mods else prefix for a in node.names]
 
 
+@functools.cache  # read once per mode: every test below only looks at it
 def import_graph(*, type_checking: bool = False) -> dict[str, set[str]]:
     """Module -> the pdx modules it imports (at run time; also for type checking if asked)."""
     mods = _modules()
@@ -96,7 +98,7 @@ def import_graph(*, type_checking: bool = False) -> dict[str, set[str]]:
                 if target and target != mod and target.startswith("pdx"):
                     graph[mod].add(target)
         graph.setdefault(mod, set())
-    return graph
+    return dict(graph)  # a plain dict: looking up a module it lacks must not add one
 
 
 def cycles(graph: dict[str, set[str]]) -> list[list[str]]:

@@ -1,7 +1,7 @@
 """pdx in front of a real vLLM prefill/decode pair (NixlConnector, KV over UCX/TCP).
 
-One pair for the whole module (about a minute to start on two cores; vLLM's compile is
-cached after the first start). Prompts are unique per test: decode keeps pulled KV in its
+One pair for the whole module (eager, see vllm_helpers.PAIR_SETTINGS: about a minute to
+start on two cores). Prompts are unique per test: decode keeps pulled KV in its
 prefix cache, and a repeated prompt would be served from there instead of over NIXL.
 """
 
@@ -272,7 +272,8 @@ def test_prefill_killed_mid_run_degrades_then_recovers(pair: Deployment) -> None
     """SIGKILL the prefill instance (its whole process group) under load: nothing fails."""
     gw, _, _, _ = _urls(pair)
     child = next(c for c in pair.children if c.name == "prefill-0")
-    restarts = child.restarts
+    record = pair.board.children[child.name]  # the supervisor's restart count for it
+    restarts = record.restarts
     before = metrics_text(gw)
     outcomes = asyncio.run(_load_with_kill(gw, child.info["pid"], seconds=12.0))
     assert outcomes["failed"] == 0, outcomes
@@ -292,16 +293,16 @@ def test_prefill_killed_mid_run_degrades_then_recovers(pair: Deployment) -> None
         if status == 200 and out["pdx"]["transfer_outcome"] == "ok":
             break
         assert status == 200, out
-        assert time.monotonic() - t0 < 330, _not_back(child, restarts)
+        assert time.monotonic() - t0 < 330, _not_back(child, record.restarts - restarts)
         time.sleep(1.0)
-    assert child.restarts == restarts + 1
+    assert record.restarts == restarts + 1
     print(f"prefill back {time.monotonic() - t0:.1f} s after the load ended; {outcomes}")
 
 
-def _not_back(child: Any, restarts: int) -> str:
+def _not_back(child: Any, restarts_seen: int) -> str:
     """Why the test gave up: restarts seen and the end of the instance's own log."""
     tail = child.log_path.read_text(errors="replace")[-3000:] if child.log_path else "(no log)"
-    return f"prefill did not come back: {child.restarts - restarts} restart(s)\n{tail}"
+    return f"prefill did not come back: {restarts_seen} restart(s)\n{tail}"
 
 
 async def _load_with_kill(gw: str, pid: int, seconds: float) -> dict[str, int]:

@@ -105,6 +105,7 @@ def test_command_line_and_environment_of_each_instance(tmp_path: Path) -> None:
     assert env["PDX_NIXL_PROGRESS_DELAY_US"] == "1000" and env["HF_HUB_OFFLINE"] == "1"
     assert env["PDX_VLLM_SHM_BUSY_LOOP_S"] == "0.02"
     assert env["VLLM_NO_USAGE_STATS"] == "1"
+    assert env["PDX_VLLM_COMPILE_KEY_IGNORE"] == "VLLM_NIXL_SIDE_CHANNEL_PORT"
     # One core each, in turn; every instance its own side channel and HTTP port.
     assert [engines.environ(i)["VLLM_CPU_OMP_THREADS_BIND"] for i in (p, d0, d1)] == ["0", "1", "0"]
     assert len({i.side_channel_port for i in (p, d0, d1)}) == 3
@@ -244,6 +245,24 @@ def test_shm_hook_shortens_the_readers_busy_window_only() -> None:
     assert any(p.match(shm.__name__) for p, _, _ in engine_hooks.HOOKS)
     shm.SHM_READER_RECHECK_INTERVAL_MS = 5000  # type: ignore[attr-defined]
     assert engine_hooks.patch_recheck(shm, 50) and shm.SHM_READER_RECHECK_INTERVAL_MS == 50
+
+
+def test_compile_key_hook_leaves_the_side_channel_port_out_of_the_cache_key() -> None:
+    """Two instances on different side-channel ports get one compile cache key."""
+    port = {"value": 5600}
+
+    def compile_factors() -> dict[str, object]:  # the shape of vllm.envs.compile_factors
+        return {"VLLM_NIXL_SIDE_CHANNEL_PORT": port["value"], "VLLM_CPU_OMP_THREADS_BIND": "0"}
+
+    envs = types.ModuleType("vllm.envs")
+    envs.compile_factors = compile_factors  # type: ignore[attr-defined]
+    assert not engine_hooks.patch_compile_key(envs, set())  # nothing asked: vLLM's key
+    assert engine_hooks.patch_compile_key(envs, {"VLLM_NIXL_SIDE_CHANNEL_PORT"})
+    assert not engine_hooks.patch_compile_key(envs, {"VLLM_NIXL_SIDE_CHANNEL_PORT"})  # once
+    first = envs.compile_factors()
+    port["value"] = 41234
+    assert envs.compile_factors() == first == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
+    assert any(p.match(envs.__name__) for p, _, _ in engine_hooks.HOOKS)
 
 
 def test_kv_failure_hook_records_each_request_whose_load_failed(tmp_path: Path) -> None:

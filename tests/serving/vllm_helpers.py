@@ -27,9 +27,13 @@ from pdx.serving.supervisor import Deployment
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# Enough for every test of a module: 128 MiB of KV per instance, one core each.
+# Enough for every test of a module: 128 MiB of KV per instance, one core each. Eager (no
+# torch.compile): these pairs test pdx's side of the P/D protocol, not vLLM's compiler, and an
+# eager instance is ready in half the time (about 60 s instead of 120 s, a restart too, on two
+# busy cores). The playbook test (test_vllm_accept.py) runs the compiled default.
 PAIR_SETTINGS = ["engine=vllm", "gateway.port=0", "vllm.kv_cache_bytes=134217728",
-                 "vllm.ready_timeout_s=420", "router.local_prefill_max_tokens=64"]  # fmt: skip
+                 "vllm.ready_timeout_s=420", "router.local_prefill_max_tokens=64",
+                 "vllm.args=[--enforce-eager]"]  # fmt: skip
 
 
 def engine_or_skip() -> None:

@@ -35,6 +35,14 @@ transfer, a handshake, blocks that came back invalid, an expired read) in two me
 can tell (the request succeeds). With the variable set, both methods also append one JSON line
 per affected request to that file (``{"request_id": ..., "t": ...}``), after a first line
 saying the hook is in place, so that "no line" can mean "no failed load".
+
+``PDX_VLLM_COMPILE_KEY_IGNORE`` — comma-separated variable names. vLLM keys its torch.compile
+cache (``torch_compile_cache`` under its cache root) on every ``VLLM_*`` variable it knows but
+a list of those that cannot change the compiled graph (``envs.compile_factors``). The NIXL
+side channel's host is on that list, its port is not: pdx gives each deployment a free port,
+so every new deployment compiled the model from nothing (45 s per instance on two busy cores)
+instead of reusing the compiled graph of the last one. With the variable set, the names it
+lists are left out of the key too.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ NIXL_ENV = "PDX_NIXL_PROGRESS_DELAY_US"
 SHM_ENV = "PDX_VLLM_SHM_BUSY_LOOP_S"
 RECHECK_ENV = "PDX_VLLM_SHM_RECHECK_MS"
 KV_FAILURES_ENV = "PDX_VLLM_KV_FAILURES"
+COMPILE_KEY_ENV = "PDX_VLLM_COMPILE_KEY_IGNORE"
 
 
 def _env_number(name: str) -> float | None:
@@ -182,12 +191,32 @@ def _kv_failures(module: ModuleType) -> None:
         patch_kv_failures(module, path)
 
 
+def patch_compile_key(module: ModuleType, ignored: set[str]) -> bool:
+    """Leave the variables in ``ignored`` out of vLLM's compile cache key."""
+    factors = getattr(module, "compile_factors", None)
+    if not ignored or not callable(factors) or getattr(factors, "_pdx_patched", False):
+        return False
+
+    def compile_factors() -> dict[str, object]:
+        return {k: v for k, v in factors().items() if k not in ignored}
+
+    compile_factors._pdx_patched = True  # type: ignore[attr-defined]
+    module.compile_factors = compile_factors  # type: ignore[attr-defined]
+    return True
+
+
+def _compile_key(module: ModuleType) -> None:
+    names = {n.strip() for n in os.environ.get(COMPILE_KEY_ENV, "").split(",") if n.strip()}
+    patch_compile_key(module, names)
+
+
 # module name pattern → its hook, and the variables that turn it on
 HOOKS: list[tuple[re.Pattern[str], Callable[[ModuleType], None], tuple[str, ...]]] = [
     (re.compile(r"^nixl(_cu\d+|_rocm)?\._api$"), _nixl, (NIXL_ENV,)),
     (re.compile(r"^vllm\.distributed\.device_communicators\.shm_broadcast$"), _shm,
      (SHM_ENV, RECHECK_ENV)),
     (re.compile(r"^vllm\.v1\.core\.sched\.scheduler$"), _kv_failures, (KV_FAILURES_ENV,)),
+    (re.compile(r"^vllm\.envs$"), _compile_key, (COMPILE_KEY_ENV,)),
 ]  # fmt: skip
 
 

@@ -280,6 +280,9 @@ class VLLMEngines:
             "PDX_NIXL_PROGRESS_DELAY_US": str(v.nixl_progress_delay_us),
             "PDX_VLLM_SHM_BUSY_LOOP_S": f"{v.shm_busy_loop_s:g}",
             "PDX_VLLM_SHM_RECHECK_MS": str(v.shm_recheck_ms),
+            # The side channel's port changes nothing compiled: the next deployment, on
+            # another free port, reuses this one's compiled model (engine_hooks.py).
+            "PDX_VLLM_COMPILE_KEY_IGNORE": "VLLM_NIXL_SIDE_CHANNEL_PORT",
             # The checkpoint is local: never reach a hub, never report usage.
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
