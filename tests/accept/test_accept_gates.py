@@ -253,13 +253,16 @@ def test_lossy_codec_and_quiet_recompute_fail_their_gates(tmp_path: Path) -> Non
 @pytest.mark.slow
 def test_killed_decode_strands_kv_and_a_silent_transfer_is_overdue(tmp_path: Path) -> None:
     """s00: the KV link blackholed while decode's transfer deadline (20 s) outlasts the
-    request's (2 s); s01: decode killed mid-step, the objects it fetched wait for their TTL."""
+    request's (2 s); s01: decode killed mid-step, the objects it fetched wait for their TTL.
+    s01's link is 100 ms slow so that most of each request's time is a Get in flight: a kill
+    at any moment then leaves objects the store serves to a decode that will never release
+    them (on a fast link the Get-to-Release window is a few ms and a kill can miss it)."""
     pb = _playbook(
         tmp_path,
         "gates-hold",
         ["kv.via_proxy=true", "kv.kv_transfer_timeout_ms=20000"],
-        network=["blackhole", "normal"],
-        conditions={"blackhole": {}, "normal": {}},
+        network=["blackhole", "slow"],
+        conditions={"blackhole": {}, "slow": {"delay_ms": 100}},
         judgement={"request_deadline_s": 2, "replay_requests": 0},
     )
     # With a 20 s transfer deadline the automatic stranded bound would be 20 s: state 1 s.
