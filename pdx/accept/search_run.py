@@ -91,6 +91,7 @@ class SearchRun(AcceptRun):
         self.axis = default_axis(pb)
         self.on_probe = on_probe
         self.capacity: str | None = None
+        self._complete = False  # set when the report is written
         self.contexts = self._contexts()
         self._index = 0
         self._deadline = math.inf
@@ -281,8 +282,7 @@ class SearchRun(AcceptRun):
         """GO when every searched condition has a limit (its probes there were GO), NO-GO when
         one is NO-GO at the range's good end, INCONCLUSIVE otherwise or when cut short. (A
         search's NO-GO probes are expected: ``valid`` says whether every probe was valid.)"""
-        done = getattr(self, "_complete", False)
-        code = search_exit_code(self.searches) if self.searches and done else 3
+        code = search_exit_code(self.searches) if self.searches and self._complete else 3
         names: dict[int, Literal["GO", "NO-GO", "INCONCLUSIVE"]] = {
             0: "GO", 1: "NO-GO", 3: "INCONCLUSIVE"}  # fmt: skip
         return names[code], code

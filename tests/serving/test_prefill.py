@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -158,8 +159,8 @@ async def test_whole_objects_are_written_in_process_by_the_streamed_objects_writ
     assert node.kv_server.store.used_bytes == reply.kv_bytes  # no reservation left over
 
 
-async def test_stream_reports_a_failed_put_after_the_first_token() -> None:
-    n = await start(None, "kv.store_budget_bytes=4096")  # the object cannot fit the store
+async def _first_token_then_error(n: Any) -> tuple[Any, Any]:
+    """Stream one prompt from prefill ``n`` (then stop it): its first chunk, then the error."""
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{n.port}") as ch:
             call = serving_pb2_grpc.PrefillStub(ch).PrefillStream(request(PROMPT), timeout=30)
@@ -168,6 +169,12 @@ async def test_stream_reports_a_failed_put_after_the_first_token() -> None:
                 await call.read()
     finally:
         await n.stop(0.5)
+    return first, err
+
+
+async def test_stream_reports_a_failed_put_after_the_first_token() -> None:
+    n = await start(None, "kv.store_budget_bytes=4096")  # the object cannot fit the store
+    first, err = await _first_token_then_error(n)
     assert first.HasField("first")
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "KV store put" in (err.value.details() or "")
@@ -182,13 +189,10 @@ async def test_stream_reports_a_failed_client_put_after_the_first_token() -> Non
         assert n.servicer is not None
         n.servicer.sink = StoreSink(n.client, n.servicer.sink.endpoint)
         await n.kv_server.stop(0)
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{n.port}") as ch:
-            call = serving_pb2_grpc.PrefillStub(ch).PrefillStream(request(PROMPT), timeout=30)
-            first = await call.read()
-            with pytest.raises(grpc.aio.AioRpcError) as err:
-                await call.read()
-    finally:
+    except BaseException:
         await n.stop(0.5)
+        raise
+    first, err = await _first_token_then_error(n)
     assert first.HasField("first")
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
     assert "KV store put" in (err.value.details() or "")
