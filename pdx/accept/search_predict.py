@@ -114,17 +114,19 @@ def predict(model: LimitModel) -> dict[str, Any]:
     ax = model.axis
     far = ax.hi * EXTRAPOLATE if ax.worse_up else ax.lo / EXTRAPOLATE
     values = _spread(ax.best, far, CURVE_POINTS + 3)
-    curve = []
+    curve: list[dict[str, Any]] = []
     for v in values:
         r, binding, figs = model.ratio(v)
         curve.append({"value": v, "ratio": round(r, 4), "binding": binding,
                       "figures": {k: _round(x) for k, x in figs.items()}})  # fmt: skip
-    limit = _crossing(model, curve)
+    below = bool(curve) and curve[0]["ratio"] > 1  # predicted NO-GO at the good end itself
+    limit = None if below else _crossing(model, curve)
     within = limit is not None and not ax.worse(limit, ax.worst)
     return {
         "predicted_limit": ax.snap(limit) if within and limit is not None else None,
         "extrapolated_limit": None if within or limit is None else float(f"{limit:.4g}"),
-        "beyond_reach": limit is None,
+        "predicted_below_range": below,
+        "beyond_reach": limit is None and not below,
         "calibrated_on": model.step.id,
         "link": {k: model.link.get(k) for k in ("rtt_p50_ms", "down_gbps", "loss_down_pct")},
         "curve": curve,
@@ -142,9 +144,7 @@ def _crossing(model: LimitModel, curve: list[dict[str, Any]]) -> float | None:
     """Where the ratio crosses 1: bisected between the curve's last GO and first NO-GO."""
     prev = None
     for point in curve:
-        if point["ratio"] > 1:
-            if prev is None:
-                return point["value"] if point is curve[0] else None
+        if point["ratio"] > 1 and prev is not None:
             good, bad = prev["value"], point["value"]
             for _ in range(8):
                 mid = math.sqrt(good * bad)
