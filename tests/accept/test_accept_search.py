@@ -182,3 +182,38 @@ def test_report_diff_compares_two_searches() -> None:
     assert _limit_status(bw, {"param": "bandwidth_mbps", "bracket": [20.0, 15.0]}) == (
         "lower limit (better)"
     )
+
+
+class _Linear:
+    """A limit model whose closest criterion grows as value / limit (the crossing logic only)."""
+
+    axis = Axis("rate", 10.0, 64.0)
+
+    def __init__(self, limit: float) -> None:
+        self.limit, self.step = limit, type("S", (), {"id": "s00"})()
+        self.link: dict[str, Any] = {}
+
+    def why_not(self) -> None:
+        return None
+
+    def ratio(self, v: float) -> tuple[float, str, dict[str, Any]]:
+        return v / self.limit, "ttft_p50_ms", {}
+
+
+@pytest.mark.parametrize(
+    ("limit", "predicted", "extrapolated", "below"),
+    [(30.0, 30.0, None, False), (100.0, None, 100.0, False), (5.0, None, None, True)],
+)
+def test_the_predicted_limit_in_past_and_below_the_range(
+    limit: float, predicted: float | None, extrapolated: float | None, below: bool
+) -> None:
+    from pdx.accept.search_predict import predict
+
+    r = predict(_Linear(limit))  # type: ignore[arg-type]
+    if predicted is None:
+        assert r["predicted_limit"] is None
+    else:
+        assert r["predicted_limit"] == pytest.approx(predicted, rel=0.01)
+    got = r["extrapolated_limit"]
+    assert (got is None) if extrapolated is None else got == pytest.approx(extrapolated, rel=0.01)
+    assert r["predicted_below_range"] is below
