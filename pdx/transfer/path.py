@@ -17,6 +17,13 @@ uses the larger of that and the newest sample, so the first request after the pa
 rose (a reroute, a failover to a farther site) is not judged on the old one: its own first
 round trip extends its deadline. Goodput is a moving average over transfers of at least
 1 MiB, or ``link_gbps`` when configured, or 100 Mbit/s before anything is measured.
+
+A streamed Get (of an object its writer is still writing, e.g. a prefill computing layer by
+layer) cannot be judged on that deadline from its start: the bytes do not exist yet. While the
+writer writes, the Get's deadline is ``WRITER_IDLE_S`` plus the derived deadline past the last
+message it received (the store ends a writer that makes no progress for its
+``stall_timeout_s``, 10 s by default, and the reader then gets KV_INCOMPLETE); from the closed
+object's info on, the bytes still missing get the derived deadline, counted from that moment.
 """
 
 from __future__ import annotations
@@ -34,6 +41,7 @@ ASSUMED_GOODPUT_BPS = 100e6
 MIN_SAMPLE_BYTES = 1 << 20
 _EWMA = 0.3
 RTT_WINDOW_S = 10.0
+WRITER_IDLE_S = 10.0  # the store's default stall_timeout_s
 
 
 def derived_deadline_ms(size_bytes: int, rtt_ms: float, goodput_bps: float, cold: bool) -> float:

@@ -129,6 +129,35 @@ async def test_stalled_writer_reader_times_out_then_store_ends_it(
         writer.abort()
 
 
+async def test_a_derived_deadline_follows_a_writer_slower_than_it(
+    kv_server_factory, kv_client_cfg
+) -> None:
+    # A warm reader's derived deadline for a small object is ~300 ms; a writer that takes 1.6 s
+    # (a long prefill) but keeps storing chunks is waited for. The same writer stalling is
+    # ended by the store's sweep: the reader gets KV_INCOMPLETE, not a hang.
+    _server, target = await kv_server_factory(stall_timeout_s=1.0, sweep_interval_s=0.2)
+    data = os.urandom(4 * CHUNK)
+    async with KVClient(target, kv_client_cfg(kv_transfer_timeout_ms=None)) as kv:
+        warm = await kv.put(os.urandom(CHUNK))  # the path is now warm: no set-up allowance
+        await kv.get(warm)
+        writer = await kv.open(len(data))
+        reading = asyncio.ensure_future(kv.get_streamed(writer.kv_id))
+        await _write_slowly(writer, data, 4, 0.4)
+        await writer.close()
+        got = await reading
+        get = [r for r in kv.records() if r.op == "get"][-1]
+        assert get.outcome == "ok" and bytes(got.obj.data) == data
+        assert get.deadline_ms is not None and get.deadline_ms < 1000 < got.wait_ms
+        stalled = await kv.open(len(data))
+        stalled.write(data[: 2 * CHUNK])  # then nothing
+        t0 = time.perf_counter()
+        with pytest.raises(KVError) as err:
+            await kv.get_streamed(stalled.kv_id)
+        assert err.value.code is KVErrorCode.KV_INCOMPLETE
+        assert time.perf_counter() - t0 < 5
+        stalled.abort()
+
+
 _KILLED_WRITER = """
 import asyncio, os, sys, time
 from pdx.transfer.client import KVClient

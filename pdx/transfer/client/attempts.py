@@ -88,13 +88,21 @@ class Attempts:
             req.deadline = now
             req.deadline_s = max(req.deadline_s, req.began_s + now.ms / 1000)
 
-    async def attempt(self, req: Request, fn: Callable[[float], Awaitable[T]]) -> T:
-        """Run ``fn(timeout_s)`` once, mapping gRPC failures and the deadline to KVError."""
+    async def attempt(
+        self, req: Request, fn: Callable[[float], Awaitable[T]], *, self_timed: bool = False
+    ) -> T:
+        """Run ``fn(timeout_s)`` once, mapping gRPC failures and the deadline to KVError.
+
+        ``self_timed``: ``fn`` keeps a deadline that moves (a streamed Get follows its writer)
+        and raises TimeoutError itself, so it is not cut at the deadline it started with.
+        """
         self._extend(req)
         remaining = req.remaining_s()
         if remaining <= 0:
             raise KVError(KVErrorCode.KV_TIMEOUT, f"{req.op}: deadline passed", kv_id=req.kv_id)
         try:
+            if self_timed:
+                return await fn(remaining)
             return await asyncio.wait_for(fn(remaining), timeout=remaining + 0.05)
         except grpc.aio.AioRpcError as exc:
             raise map_rpc_error(exc, req.kv_id) from None

@@ -18,6 +18,7 @@ from pdx.transfer.client.transport import GrpcOnly, KVTransport, TransportPolicy
 from pdx.transfer.contract import KVError, KVErrorCode
 from pdx.transfer.metrics import TransferRecord
 from pdx.transfer.objects import Assembly, KVObject, StreamAssembly
+from pdx.transfer.path import WRITER_IDLE_S
 
 
 @dataclass
@@ -108,7 +109,10 @@ async def get_streamed(
     req.transport = "grpc"
     got = StreamAssembly(kv_id, on_chunk)
     try:
-        await _get_range(attempts, GrpcOnly(grpc), req, 0, got, 0, 0)
+        if req.deadline is not None and req.deadline.source == "derived":
+            await _follow_writer(attempts, grpc, req, got)
+        else:  # an explicit kv_transfer_timeout_ms bounds the whole Get, writer included
+            await _get_range(attempts, GrpcOnly(grpc), req, 0, got, 0, 0)
         obj = got.finish()
     except KVError as exc:
         attempts.finish(req, 0, 0, exc.code.value)
@@ -122,3 +126,26 @@ async def get_streamed(
         overlap_ms=round(wait_ms, 3),
     )  # fmt: skip
     return StreamedGet(obj, rec, late, wait_ms)
+
+
+async def _follow_writer(
+    attempts: Attempts, grpc: GrpcTransport, req: Request, got: StreamAssembly
+) -> None:
+    """A streamed Get on a derived deadline: while the object is written the deadline
+    follows the writer (``WRITER_IDLE_S`` plus the derived deadline past its last chunk);
+    from the close on, the derived deadline bounds the rest."""
+    assert req.deadline is not None
+    state = {"next": 0}
+    idle_s = WRITER_IDLE_S + req.deadline.ms / 1000
+
+    async def once(_timeout_s: float) -> None:
+        await grpc.get_streamed(req, got, state, idle_s)
+
+    while True:
+        try:
+            await attempts.attempt(req, once, self_timed=True)
+            return
+        except KVError as exc:
+            if exc.code is KVErrorCode.KV_CORRUPT:
+                attempts.metrics.corrupt.labels(side="client").inc()
+            await attempts.before_retry(req, exc)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -123,6 +124,45 @@ class GrpcTransport:
         finally:
             stream.cancel()
 
+    async def get_streamed(
+        self, req: Request, got: StreamAssembly, state: dict[str, int], idle_s: float
+    ) -> None:
+        """A Get stream of an object that may still be written (channel 0).
+
+        While the writer writes, the deadline follows it: each message re-arms it ``idle_s``
+        ahead (the store itself ends a writer that stops making progress: KV_INCOMPLETE). From
+        the closed info on, the bytes still missing must arrive within the request's derived
+        deadline, counted from that moment. A prefill that computes for seconds is therefore
+        never a KV_TIMEOUT while its layers keep coming; a store that stops answering is.
+        """
+        call = self.rpc(
+            0, "unary_stream", "Get", request_serializer=pb.GetRequest.SerializeToString
+        )
+        request = pb.GetRequest(kv_id=got.kv_id, from_chunk=state["next"], to_chunk=0)
+        stream = call(request, metadata=self.metadata)  # timed per message below
+        messages = stream.__aiter__()
+        ms = req.deadline.ms if req.deadline is not None else 0.0
+        first = True
+        try:
+            while True:
+                writing = got.info is None or (got.info.writing and got.closed is None)
+                if writing:
+                    req.deadline_s = time.monotonic() + idle_s
+                left = req.remaining_s()
+                if left <= 0:
+                    raise TimeoutError
+                try:
+                    raw = await asyncio.wait_for(messages.__anext__(), timeout=left)
+                except StopAsyncIteration:
+                    return
+                _take(raw, got, state, first)
+                first = False
+                if writing and got.info is not None and not (got.info.writing and
+                                                             got.closed is None):  # fmt: skip
+                    req.deadline_s = time.monotonic() + ms / 1000
+        finally:
+            stream.cancel()
+
 
 async def _put_messages(
     header: pb.PutHeader, view: memoryview, first: int, end: int
@@ -149,14 +189,19 @@ async def _put_messages(
 async def _receive(stream: Any, got: Assembly, state: dict[str, int]) -> None:
     first = True
     async for raw in stream:
-        if first or not is_chunk_message(raw):  # info first; a streamed Get's closed info last
-            got.accept_info(pb.GetResponse.FromString(raw).info)
-            if isinstance(got, StreamAssembly):
-                now = time.perf_counter()
-                got.first_s = got.first_s or now
-                if got.closed is not None:
-                    got.closed_s = now
-            first = False
-            continue
-        got.add(state["next"], raw)
-        state["next"] += 1
+        _take(raw, got, state, first)
+        first = False
+
+
+def _take(raw: bytes, got: Assembly, state: dict[str, int], first: bool) -> None:
+    """One Get message: the info first, chunks, and a streamed Get's closed info last."""
+    if first or not is_chunk_message(raw):
+        got.accept_info(pb.GetResponse.FromString(raw).info)
+        if isinstance(got, StreamAssembly):
+            now = time.perf_counter()
+            got.first_s = got.first_s or now
+            if got.closed is not None:
+                got.closed_s = now
+        return
+    got.add(state["next"], raw)
+    state["next"] += 1

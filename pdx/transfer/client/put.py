@@ -190,7 +190,11 @@ class StreamWriter:
         self.overlap: tuple[int, float] | None = None
         reply = pb.PutResponse.FromString
         call = grpc.rpc(0, "stream_unary", "Put", response_deserializer=reply)
-        left = max(req.remaining_s(), 0.001)
+        # A derived deadline follows the producer (see pdx.transfer.path): the stream is open
+        # as long as the producer keeps writing (the store ends one that stalls) and the rest
+        # is bounded from the close on. An explicit one bounds the whole Put.
+        self._follows = req.deadline is not None and req.deadline.source == "derived"
+        left = None if self._follows else max(req.remaining_s(), 0.001)
         self._call = call(self._messages(), timeout=left, metadata=grpc.metadata)
         self._closed = False
 
@@ -237,6 +241,8 @@ class StreamWriter:
         self._queue.put_nowait(pb.PutRequest(trailer=trailer).SerializeToString())
         self._queue.put_nowait(None)
         req = self.req
+        if self._follows and req.deadline is not None:
+            req.deadline_s = time.monotonic() + req.deadline.ms / 1000
         try:
             reply = await self.attempts.attempt(req, lambda _t: self._call)
         except KVError as exc:
