@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric import ec
     from cryptography.x509 import Certificate
 
-DEFAULT_NAMES = ("kv-store", "prefill", "decode")
+DEFAULT_NAMES = ("kv-store", "prefill", "decode", "gateway")  # every identity a deploy uses
 CA_NAME = "ca"
 
 

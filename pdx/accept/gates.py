@@ -54,7 +54,7 @@ def silent_fallback(rows: list[dict[str, Any]]) -> dict[str, int] | None:
 
 
 def engine_silent_fallback(
-    rows: list[dict[str, Any]], audit_dir: Path | None
+    rows: list[dict[str, Any]], audit_dirs: list[Path]
 ) -> dict[str, int] | str:
     """vLLM: ok requests labelled disaggregated (more than one token) whose decode request
     is in decode's KV-load failure records (vLLM recomputed the prompt: ``recompute``
@@ -63,10 +63,10 @@ def engine_silent_fallback(
     Only a record file whose first line says the hook is in place counts, so that no record
     of a request means its load did not fail rather than that nothing was recording.
     """
-    if audit_dir is None:
+    if not audit_dirs:
         return "kv.audit_dir is unset, where decode writes its KV-load failure records"
     hooked, failed = False, []
-    for path in sorted(audit_dir.glob("*.kv-load-failures.jsonl")):
+    for path in globbed(audit_dirs, "*.kv-load-failures.jsonl"):
         for line in path.read_text(errors="replace").splitlines():
             try:
                 rec = json.loads(line)
@@ -338,12 +338,19 @@ def _mismatch(r: dict[str, Any], local: list[int]) -> dict[str, Any]:
 # --- one step ----------------------------------------------------------------------------
 
 
+def globbed(dirs: list[Path], pattern: str) -> list[Path]:
+    """Files matching ``pattern`` in every directory, sorted by name within each."""
+    return [p for d in dirs for p in sorted(d.glob(pattern))]
+
+
 @dataclass
 class GateContext:
     """What the gates of every step need from the run (fixed once the target is up)."""
 
     url: str
-    audit_dir: Path | None  # where the deploy's store audit and decode records are written
+    # Where the store audit and decode's records are: the deploy's kv.audit_dir, or for a
+    # target.url the directories of target.records_dirs (one per host's role).
+    audit_dirs: list[Path]
     deadline_s: float  # each request's own deadline
     rtt_s: float  # measured RTT p99 (0 when the link was not probed)
     stranded_bound_s: float | None  # kv_stranded_max_s "auto"
@@ -376,7 +383,7 @@ async def collect(
         # handle, emits a token. vLLM's counters are summed over requests (and count pulled
         # tokens at admission, before a load can fail); decode's own failure records, per
         # request, are what tells a quiet recompute apart.
-        engine = engine_silent_fallback(rows, ctx.audit_dir)
+        engine = engine_silent_fallback(rows, ctx.audit_dirs)
         if isinstance(engine, str):
             missing.append(f"silent_fallback_max: engine vllm: {engine}")
         else:
@@ -402,11 +409,14 @@ async def collect(
             samples["steady_ttft_ms"] = burst.pop("_steady_ttft_ms")
             samples["burst_ttft_ms"] = burst.pop("_burst_ttft_ms")
             facts.update(burst, idle_s=idle_s)
-    if ctx.audit_dir is None or ctx.stranded_bound_s is None:
-        missing.append("kv_stranded_max_s: no KV store audit log (target.url or engine: vllm)")
+    if not ctx.audit_dirs or ctx.stranded_bound_s is None:
+        missing.append(
+            "kv_stranded_max_s: no KV store audit log (engine: vllm, or a target.url without "
+            "target.records_dirs)"
+        )
     else:
-        audit = read_jsonl(sorted(ctx.audit_dir.glob("kv-store-*.jsonl")))
-        records = read_jsonl(sorted(ctx.audit_dir.glob("decode-*-requests.jsonl")))
+        audit = read_jsonl(globbed(ctx.audit_dirs, "kv-store-*.jsonl"))
+        records = read_jsonl(globbed(ctx.audit_dirs, "decode-*-requests.jsonl"))
         now = time.time()
         objs = [o for o in held_objects(audit, records, rows).values() if o.stored_s >= t0_s]
         facts.update(stranded(objs, ctx.stranded_bound_s, now))

@@ -40,6 +40,13 @@ class Target(BaseModel):
         default="", description="'model' field sent with each request (empty = omitted)"
     )
     extra_body: dict[str, Any] = Field(default_factory=dict, description="merged into each body")
+    records_dirs: list[str] = Field(
+        default_factory=list,
+        description="target.url only: directories (relative to the playbook) holding the "
+        "records of a pdx deployment this run did not start, each role's kv.audit_dir "
+        "mounted or copied here (prefill's kv-store-*.jsonl, decode's "
+        "decode-*-requests.jsonl); the gates that read them (kv_stranded_max_s) are judged",
+    )
     netns: NetnsTarget = Field(default_factory=lambda: NetnsTarget())
 
     @model_validator(mode="after")
@@ -48,6 +55,10 @@ class Target(BaseModel):
             raise ValueError("set exactly one of target.url or target.deploy")
         if self.url is not None and not self.url.startswith(("http://", "https://")):
             raise ValueError(f"target.url must start with http:// or https:// (got {self.url!r})")
+        if self.records_dirs and self.url is None:
+            raise ValueError(
+                "target.records_dirs is for a target.url (a deploy's records are its own)"
+            )
         if self.netns.enabled and self.url is not None:
             raise ValueError("target.netns needs target.deploy (pdx places the pair itself)")
         return self

@@ -210,17 +210,17 @@ class AcceptRun:
         extra = [f"kv.audit_dir={audit}", f"vllm.log_dir={engines}"]
         return t.model_copy(update={"deploy_set": [*t.deploy_set, *extra]})
 
-    def _audit_dir(self) -> Path | None:
-        if self.pb.target.deploy is None:
-            return None
+    def _audit_dirs(self) -> list[Path]:
+        if self.pb.target.deploy is None:  # a deployment pdx did not start: what was given
+            return [self.playbook_dir / d for d in self.pb.target.records_dirs]
         from pdx.accept.preflight import deploy_config
 
         pb = self.pb.model_copy(update={"target": self._with_audit(self.pb.target)})
         cfg = deploy_config(pb, self.playbook_dir)
         if cfg.engine != "pdx":  # an engine keeps no pdx KV store, hence no audit log
-            return None
+            return []
         configured = cfg.kv
-        return Path(configured.audit_dir) if configured.audit_dir else None
+        return [Path(configured.audit_dir)] if configured.audit_dir else []
 
     def _transfer_deadline_s(self, fixed_ms: float | None, probe: dict[str, Any]) -> float:
         """The deploy's transfer deadline: fixed, or derived as its KV clients derive it for
@@ -247,9 +247,11 @@ class AcceptRun:
             cfg = deploy_config(pb, self.playbook_dir)
             deadline = deadline or cfg.gateway.request_timeout_s
             bound = self._transfer_deadline_s(cfg.kv.kv_transfer_timeout_ms, summary) + 2 * rtt_s
+        elif pb.target.records_dirs:  # its kv_transfer_timeout_ms is not known here: derived
+            bound = self._transfer_deadline_s(None, summary) + 2 * rtt_s
         return GateContext(
             url=self.url,
-            audit_dir=self._audit_dir(),
+            audit_dirs=self._audit_dirs(),
             deadline_s=deadline or pb.load.timeout_s,
             rtt_s=rtt_s,
             stranded_bound_s=bound,

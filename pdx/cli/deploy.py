@@ -29,6 +29,12 @@ def deploy(
         False, "--print-config", help="Print the validated config as YAML and exit."
     ),
     as_json: bool = typer.Option(False, "--json", help="Print endpoints as JSON once ready."),
+    role: str = typer.Option(
+        "all",
+        "--role",
+        help="What this host runs: all (default), or one site's part: prefill, decode, gateway "
+        "(the others found at their configured host:port; see docs/deploy.md 'On two hosts').",
+    ),
 ) -> None:
     """Start the gateway, prefill and decode processes (Ctrl-C / SIGTERM stops them cleanly)."""
     from pdx.serving.deploy_config import load_deploy_config, to_yaml
@@ -38,20 +44,21 @@ def deploy(
         if not 0 <= port <= 65535:
             raise InputError("--port", port, "an integer in 0..65535")
         dotted.append(f"gateway.port={port}")
+    from pdx.serving.roles import ROLES, check_role
+
+    if role not in ROLES:
+        raise InputError("--role", role, "one of " + ", ".join(ROLES))
     cfg = load_deploy_config(config, dotted=dotted)
     if print_config:
         typer.echo(to_yaml(cfg), nl=False)
         return
     if render is not None:
-        if cfg.engine != "pdx":
-            raise InputError(
-                "--render", render, "engine: pdx (manifests exist for pdx's pair only)"
-            )
         _render(cfg, render, out_dir, as_json)
         return
     if out_dir is not None:
         raise InputError("OUT_DIR", str(out_dir), "no positional argument unless --render is given")
-    _serve(cfg, as_json)
+    check_role(cfg, role)
+    _serve(cfg, as_json, role)
 
 
 def _render(cfg: Any, kind: str, out_dir: Path | None, as_json: bool) -> None:
@@ -70,7 +77,7 @@ def _files(con: Any, data: dict[str, Any]) -> None:
         con.print(f"wrote {name}")
 
 
-def _serve(cfg: Any, as_json: bool) -> None:
+def _serve(cfg: Any, as_json: bool, role: str) -> None:
     import asyncio
 
     from pdx.serving.supervisor import serve_forever
@@ -79,7 +86,7 @@ def _serve(cfg: Any, as_json: bool) -> None:
         emit(to_jsonable(endpoints), as_json=as_json, render=_render_endpoints)
         err_console().print("ready; Ctrl-C or SIGTERM stops every process")
 
-    message = asyncio.run(serve_forever(cfg, ready))
+    message = asyncio.run(serve_forever(cfg, ready, role))
     err_console().print(message)
 
 
@@ -91,13 +98,20 @@ def _render_endpoints(con: Any, ep: dict[str, Any]) -> None:
         _render_engines(con, ep)
         return
     label = " (synthetic)" if model.get("synthetic") else ""
-    con.print(f"gateway  {ep['gateway']}  (OpenAI API: /v1/completions, /metrics, /readyz)")
+    if ep["gateway"]:
+        con.print(f"gateway  {ep['gateway']}  (OpenAI API: /v1/completions, /metrics, /readyz)")
     con.print(f"model    {model.get('model')}{label}  version {model.get('model_version')}")
     table = Table("process", "pid", "grpc port", "kv store", box=None)
+
+    def pid(row: dict[str, Any]) -> str:  # another host's instance: its address, no pid
+        return "-" if row.get("pid") is None else str(row["pid"])
+
     for p in ep["prefill"]:
-        table.add_row(p["name"], str(p["pid"]), str(p["port"]), p["kv_endpoint"])
+        where = f"{p['host']}:{p['port']}" if p.get("remote") else str(p["port"])
+        table.add_row(p["name"], pid(p), where, p["kv_endpoint"])
     for d in ep["decode"]:
-        table.add_row(d["name"], str(d["pid"]), str(d["port"]), "-")
+        where = f"{d['host']}:{d['port']}" if d.get("remote") else str(d["port"])
+        table.add_row(d["name"], pid(d), where, "-")
     con.print(table)
     for proxy in ep["proxies"]:
         con.print(

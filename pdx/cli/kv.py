@@ -7,6 +7,8 @@ from typing import Any
 
 import typer
 
+from pdx.tls import DEFAULT_NAMES
+
 
 def register(app: typer.Typer) -> None:
     """Attach the KV commands."""
@@ -141,7 +143,7 @@ def kv_bench(
 def certs_init(
     directory: Path = typer.Argument(..., metavar="DIR", help="Directory to create the files in."),
     names: list[str] = typer.Option(
-        ["kv-store", "prefill", "decode"], "--name", help="Service identity to issue (repeatable)."
+        list(DEFAULT_NAMES), "--name", help="Service identity to issue (repeatable)."
     ),
     days: int = typer.Option(30, "--days", min=1, max=3650, help="Validity in days."),
     hosts: list[str] = typer.Option(

@@ -76,8 +76,11 @@ class Endpoints:
 class Deployment:
     """The whole pair on one machine, started from one validated config."""
 
-    def __init__(self, cfg: DeployConfig, *, work_dir: Path | None = None) -> None:
+    def __init__(
+        self, cfg: DeployConfig, *, work_dir: Path | None = None, role: str = "all"
+    ) -> None:
         self.cfg = cfg
+        self.role = role  # pdx.serving.roles: "all", or one site's part
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         if work_dir is None:
             self._tmp = tempfile.TemporaryDirectory(prefix="pdx-deploy-")
@@ -93,27 +96,35 @@ class Deployment:
         self.failed: str | None = None  # supervision itself broke (never a child's crash)
         self._stopping = False
         self._watchers: list[asyncio.Task[None]] = []
+        self._remote_model: dict[str, Any] | None = None  # --role gateway: from decode's Status
 
     # --- start ---------------------------------------------------------------------
 
     async def start(self) -> Endpoints:
         """Start every process and the gateway; raise DeployError if any cannot start."""
+        from pdx.serving.roles import CHILD_ROLES, check_role
+
+        check_role(self.cfg, self.role)
         if (self.cfg.prefill.netns or self.cfg.decode.netns) and os.geteuid() != 0:
             raise DeployError("prefill.netns / decode.netns need root (ip netns exec)")
         self.work_dir.mkdir(parents=True, exist_ok=True)
         self.cert_dir = self._certs() if self.cfg.engine == "pdx" else None
         cfg_path = self.work_dir / "deploy.json"
         cfg_path.write_text(self.cfg.model_dump_json())
-        self.children = [Child("prefill", i) for i in range(self.cfg.prefill.count)]
-        self.children += [Child("decode", i) for i in range(self.cfg.decode.count)]
+        starts = CHILD_ROLES[self.role]
+        if "prefill" in starts:
+            self.children = [Child("prefill", i) for i in range(self.cfg.prefill.count)]
+        if "decode" in starts:
+            self.children += [Child("decode", i) for i in range(self.cfg.decode.count)]
         if self.cfg.engine == "vllm":
             self.children = await self._prepare_engines()
         for c in self.children:
             self.board.add(c.role, c.index)
         try:
             await asyncio.gather(*(self._spawn(c) for c in self.children))
-            await self._start_proxies()
-            await self._start_gateway()
+            if self.role in ("all", "gateway"):
+                await self._start_proxies()
+                await self._start_gateway()
         except BaseException:
             await self.stop()
             raise
@@ -209,18 +220,18 @@ class Deployment:
         # KV reads start) and forwards to the prefill site, so it also works when prefill
         # sits in another namespace whose address this one cannot bind.
         kv = self.cfg.kv
-        for child in self.children:
-            if child.role == "prefill":
-                upstream = (self.cfg.prefill.host, int(child.info["kv_port"]))
-                proxy = FaultProxy((kv.proxy_host, 0), upstream)
-                await proxy.start()
-                self.proxies.append(proxy)
-                # A bearer token, handed to whoever reads the endpoints (pdx accept).
-                control = ControlServer(
-                    proxy, kv.proxy_control_host, 0, token=secrets.token_urlsafe(16)
-                )
-                await control.start()
-                self.controls.append(control)
+        for _name, _address, kv_endpoint in self._prefill_targets():
+            host, _, kv_port = kv_endpoint.rpartition(":")
+            upstream = (host, int(kv_port))
+            proxy = FaultProxy((kv.proxy_host, 0), upstream)
+            await proxy.start()
+            self.proxies.append(proxy)
+            # A bearer token, handed to whoever reads the endpoints (pdx accept).
+            control = ControlServer(
+                proxy, kv.proxy_control_host, 0, token=secrets.token_urlsafe(16)
+            )
+            await control.start()
+            self.controls.append(control)
 
     async def _start_engine_gateway(self) -> None:
         from pdx.serving.gateway.engine_app import gateway_for_engines
@@ -237,12 +248,10 @@ class Deployment:
         from pdx.tls import tls_for
 
         cfg = self.cfg
-        prefills = [(c.name, c.address(cfg.prefill.host)) for c in self.children
-                    if c.role == "prefill"]  # fmt: skip
-        decodes = [(c.name, c.address(cfg.decode.host)) for c in self.children
-                   if c.role == "decode"]  # fmt: skip
+        prefills = [(name, address) for name, address, _ in self._prefill_targets()]
+        decodes = self._decode_targets()
         tokenizer = await asyncio.to_thread(_tokenizer, cfg) if cfg.model.checkpoint else None
-        info = self._model_info()
+        info = await self._gateway_model_info()
         self.gateway = build_gateway(
             cfg,
             prefills,
@@ -254,28 +263,67 @@ class Deployment:
             synthetic=bool(info.get("synthetic", False)),
             restarts=self.board,
         )
-        prefill_children = [c for c in self.children if c.role == "prefill"] if self.proxies else []
-        for proxy, c in zip(self.proxies, prefill_children, strict=True):
-            real = c.info["kv_endpoint"]
+        targets = self._prefill_targets() if self.proxies else []
+        for proxy, (_name, _address, real) in zip(self.proxies, targets, strict=True):
             self.gateway.kv_route[real] = f"{proxy.address[0]}:{proxy.port}"
         await self.gateway.start(cfg.gateway.host, cfg.gateway.port)
+
+    def _prefill_targets(self) -> list[tuple[str, str, str]]:
+        """(name, gRPC address, KV endpoint) of every prefill: started here, or configured."""
+        from pdx.serving.roles import remotes
+
+        if self.role == "gateway":
+            return [(r.name, r.address, r.kv_endpoint) for r in remotes(self.cfg, "prefill")]
+        host = self.cfg.prefill.host
+        return [(c.name, c.address(host), str(c.info["kv_endpoint"])) for c in self.children
+                if c.role == "prefill"]  # fmt: skip
+
+    def _decode_targets(self) -> list[tuple[str, str]]:
+        from pdx.serving.roles import remotes
+
+        if self.role == "gateway":
+            return [(r.name, r.address) for r in remotes(self.cfg, "decode")]
+        return [(c.name, c.address(self.cfg.decode.host)) for c in self.children
+                if c.role == "decode"]  # fmt: skip
+
+    async def _gateway_model_info(self) -> dict[str, Any]:
+        if self.role != "gateway":
+            return self._model_info()
+        from pdx.serving.roles import decode_model_info, remotes
+        from pdx.tls import tls_for
+
+        first = remotes(self.cfg, "decode")[0]
+        self._remote_model = await decode_model_info(
+            self.cfg, tls_for(self.cert_dir, "gateway"), first
+        )
+        return self._remote_model
 
     def _model_info(self) -> dict[str, Any]:
         if self.engines is not None:
             info: dict[str, Any] = self.engines.model_dict()
             return info
-        decode = next(c for c in self.children if c.role == "decode")
-        return decode.info
+        if self._remote_model is not None:
+            return self._remote_model
+        child = next((c for c in self.children if c.role == "decode"), None)
+        child = child or next(c for c in self.children if c.role == "prefill")
+        return child.info
 
     def endpoints(self) -> Endpoints:
         """The addresses a user (or a test) needs."""
         gw = self.gateway
         if self.engines is not None:
             return self._engine_endpoints()
+        from pdx.serving.roles import remotes
+
+        rows: dict[str, list[dict[str, Any]]] = {}
+        for role in ("prefill", "decode"):
+            rows[role] = [{"name": c.name, **c.info} for c in self.children if c.role == role]
+            if self.role == "gateway":
+                rows[role] = [r.row() for r in remotes(self.cfg, role)]
         return Endpoints(
             gateway=f"http://{self.cfg.gateway.host}:{gw.port}" if gw else "",
-            prefill=[{"name": c.name, **c.info} for c in self.children if c.role == "prefill"],
-            decode=[{"name": c.name, **c.info} for c in self.children if c.role == "decode"],
+            prefill=rows["prefill"],
+            decode=rows["decode"],
             proxies=[
                 {
                     "listen": f"{p.address[0]}:{p.port}",
@@ -287,7 +335,7 @@ class Deployment:
             ],
             tls_dir=str(self.cert_dir) if self.cert_dir else None,
             work_dir=str(self.work_dir),
-            model=self._model_info() if self.children else {},
+            model=self._model_info() if self.children or self._remote_model else {},
         )
 
     def _engine_endpoints(self) -> Endpoints:
@@ -399,9 +447,11 @@ def _tail(path: Path | None, lines: int = 3) -> str:
     return " | ".join(text[-lines:]) or "(empty log)"
 
 
-async def serve_forever(cfg: DeployConfig, on_ready: Callable[[Endpoints], None]) -> str:
+async def serve_forever(
+    cfg: DeployConfig, on_ready: Callable[[Endpoints], None], role: str = "all"
+) -> str:
     """``pdx deploy``: start, report, supervise until SIGINT/SIGTERM or a failure; stop cleanly."""
-    dep = Deployment(cfg)
+    dep = Deployment(cfg, role=role)
     endpoints = await dep.start()
     on_ready(endpoints)
     stop = asyncio.Event()

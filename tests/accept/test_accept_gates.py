@@ -304,16 +304,16 @@ def test_the_vllm_silent_fallback_gate_reads_decode_failure_records(tmp_path: Pa
                 "pdx": {"engine": "vllm", "route": route, "decode_request_id": rid}}  # fmt: skip
 
     rows = [row("cmpl-a-0-d"), row("cmpl-b-0-d"), row("cmpl-c-0-d", "local")]
-    assert "kv.audit_dir is unset" in str(engine_silent_fallback(rows, None))
-    assert "no KV-load failure record" in str(engine_silent_fallback(rows, tmp_path))
+    assert "kv.audit_dir is unset" in str(engine_silent_fallback(rows, []))
+    assert "no KV-load failure record" in str(engine_silent_fallback(rows, [tmp_path]))
     records = tmp_path / "decode-0.kv-load-failures.jsonl"
     records.write_text('{"hook": "kv_load_failures"}\n')
-    assert engine_silent_fallback(rows, tmp_path) == {
+    assert engine_silent_fallback(rows, [tmp_path]) == {
         "labelled_disaggregated": 2, "silent_fallback": 0}  # fmt: skip
     # vLLM's own id wraps the gateway's; a local request in the records is not a silent one.
     records.write_text('{"hook": "kv_load_failures"}\n{"request_id": "cmpl-cmpl-b-0-d-9f"}\n'
                        '{"request_id": "cmpl-cmpl-c-0-d"}\nnot json\n')  # fmt: skip
-    assert engine_silent_fallback(rows, tmp_path) == {
+    assert engine_silent_fallback(rows, [tmp_path]) == {
         "labelled_disaggregated": 2, "silent_fallback": 1}  # fmt: skip
     rows.append({"ok": True, "output_tokens": 8, "pdx": {"route": "disaggregated"}})
-    assert "do not name decode's request ids" in str(engine_silent_fallback(rows, tmp_path))
+    assert "do not name decode's request ids" in str(engine_silent_fallback(rows, [tmp_path]))

@@ -45,7 +45,7 @@ async def _complete(s: aiohttp.ClientSession, url: str, seed: int) -> dict[str, 
 
 
 def _judged(rows: list[dict[str, Any]], audit: Path) -> tuple[dict[str, Any], str]:
-    facts = engine_silent_fallback(rows, audit)
+    facts = engine_silent_fallback(rows, [audit])
     assert isinstance(facts, dict), facts
     summary: dict[str, Any] = {"requests": len(rows), "ok": len(rows), **facts}
     derive_rates(summary, {})
