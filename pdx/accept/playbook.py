@@ -147,6 +147,11 @@ class Condition(BaseModel):
     idle_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = Field(
         default=0.0, description="idle-gap: seconds with no request before the step's load"
     )
+    duration_s: PositiveFloat | None = Field(
+        default=None,
+        description="this condition's steps run this long instead of matrix.duration_s (a "
+        "fault step that must outlast a restart beside a short normal one)",
+    )
     criteria: dict[str, float | str | None] = Field(
         default_factory=dict,
         description="criteria that differ under this condition (null = not judged here)",
@@ -486,29 +491,37 @@ class Playbook(BaseModel):
                     f"conditions.{name}.wan_events need target.netns (they change the router "
                     "hop's packet-level conditions)"
                 )
-            if any(e.at_s >= self.matrix.duration_s for e in events):
+            length, field = self.step_duration_s(name)
+            if any(e.at_s >= length for e in events):
                 raise ValueError(
-                    f"conditions.{name}.wan_events: every at_s must be < matrix.duration_s "
-                    f"({self.matrix.duration_s})"
+                    f"conditions.{name}.wan_events: every at_s must be < {field} ({length})"
                 )
         for name in self.matrix.network:
             c = self.conditions[name]
+            length, field = self.step_duration_s(name)
             if c.kill_prefill_at_s is not None and self.target.url:
                 raise ValueError(
                     f"conditions.{name}.kill_prefill_at_s needs target.deploy (pdx must own "
                     "the prefill process)"
                 )
-            if c.kill_prefill_at_s is not None and c.kill_prefill_at_s >= self.matrix.duration_s:
+            if c.kill_prefill_at_s is not None and c.kill_prefill_at_s >= length:
                 raise ValueError(
-                    f"conditions.{name}.kill_prefill_at_s must be < matrix.duration_s "
-                    f"({c.kill_prefill_at_s} >= {self.matrix.duration_s})"
+                    f"conditions.{name}.kill_prefill_at_s must be < {field} "
+                    f"({c.kill_prefill_at_s} >= {length})"
                 )
-            if c.link_down_at_s is not None and c.link_down_at_s >= self.matrix.duration_s:
+            if c.link_down_at_s is not None and c.link_down_at_s >= length:
                 raise ValueError(
-                    f"conditions.{name}.link_down_at_s must be < matrix.duration_s "
-                    f"({c.link_down_at_s} >= {self.matrix.duration_s})"
+                    f"conditions.{name}.link_down_at_s must be < {field} "
+                    f"({c.link_down_at_s} >= {length})"
                 )
         return self
+
+    def step_duration_s(self, network: str) -> tuple[float, str]:
+        """How long a step under ``network`` runs, and the field that says so."""
+        own = self.conditions[network].duration_s if network in self.conditions else None
+        if own is not None:
+            return own, f"conditions.{network}.duration_s"
+        return self.matrix.duration_s, "matrix.duration_s"
 
 
 @dataclass(frozen=True)
@@ -548,7 +561,7 @@ def expand_steps(pb: Playbook) -> list[Step]:
     combos = itertools.product(m.network, m.input_tokens, m.output_tokens, loads)
     kept = [c for c in combos if not any(_matches(cell, *c[:3], *c[3]) for cell in m.exclude)]
     return [
-        Step(i, inp, out, conc, rate, net, m.duration_s)
+        Step(i, inp, out, conc, rate, net, pb.step_duration_s(net)[0])
         for i, (net, inp, out, (conc, rate)) in enumerate(kept)
     ]
 

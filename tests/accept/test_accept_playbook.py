@@ -83,6 +83,19 @@ BAD = {
 }
 
 
+def test_a_condition_may_run_its_steps_longer_or_shorter() -> None:
+    sets = ["matrix.duration_s=9", "conditions.link-break.duration_s=30"]
+    pb = load_playbook(PLAYBOOKS / "smoke.yaml", dotted=sets)
+    lengths = {(s.network, s.duration_s) for s in expand_steps(pb)}
+    assert lengths == {("normal", 9.0), ("link-break", 30.0)}
+    # A fault is timed against its own condition's length, and the error names that field.
+    with pytest.raises(ConfigError) as err:
+        load_playbook(PLAYBOOKS / "vllm-pd.yaml", dotted=["conditions.prefill-killed.duration_s=3"])
+    assert "kill_prefill_at_s must be < conditions.prefill-killed.duration_s (4.0 >= 3.0)" in str(
+        err.value
+    )
+
+
 def test_bad_playbook_lists_every_problem_with_its_path(tmp_path: Path) -> None:
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump(BAD))
