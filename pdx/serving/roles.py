@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from pdx.errors import InputError
+from pdx.errors import InputError, ServingError
 from pdx.serving.deploy_config import DeployConfig
 from pdx.serving.kv_settings import dialable
 
@@ -110,7 +110,6 @@ async def decode_model_info(cfg: DeployConfig, tls: Any, decode: Remote) -> dict
 
     from pdx._proto import serving_pb2, serving_pb2_grpc
     from pdx.serving.rpc import channel
-    from pdx.serving.supervisor import DeployError
 
     timeout = cfg.supervisor.ready_timeout_s
     t0, last = time.monotonic(), "no answer"
@@ -129,7 +128,7 @@ async def decode_model_info(cfg: DeployConfig, tls: Any, decode: Remote) -> dict
                 "synthetic": cfg.model.backend == "synthetic",
                 "max_context_tokens": int(st.max_context_tokens) or 1024,
             }
-    raise DeployError(
+    raise ServingError(
         f"{decode.name} at {decode.address} did not answer within {timeout:g} s "
         f"(supervisor.ready_timeout_s; last: {last})"
     )

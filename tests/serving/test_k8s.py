@@ -3,38 +3,25 @@
 from __future__ import annotations
 
 import base64
-from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 from cryptography import x509
-from typer.testing import CliRunner
+from k8s_helpers import Docs, by_kind, container, render, validate_strict
 
-from pdx.cli.main import app
 from pdx.serving.deploy_config import load_deploy_config
 
 SETS = ["prefill.count=2", "decode.count=2", "k8s.image=registry.local/pdx:1"]
 
 
 @pytest.fixture(scope="module")
-def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    out = tmp_path_factory.mktemp("k8s")
-    args = ["deploy", "--render", "k8s", str(out), "--json"]
-    for item in SETS:
-        args += ["--set", item]
-    result = CliRunner().invoke(app, args)
-    assert result.exit_code == 0, result.output
-    return {p.name: list(yaml.safe_load_all(p.read_text())) for p in Path(out).glob("site-*.yaml")}
+def rendered(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Docs]:
+    return render(tmp_path_factory.mktemp("k8s"), SETS)
 
 
-def by_kind(docs: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
-
-
-def container(deployment: dict[str, Any]) -> dict[str, Any]:
-    c: dict[str, Any] = deployment["spec"]["template"]["spec"]["containers"][0]
-    return c
+def test_every_manifest_passes_strict_schema_validation(rendered: dict[str, Docs]) -> None:
+    validate_strict(rendered)
 
 
 def test_site_a_holds_prefill_site_b_decode_and_gateway(rendered: dict[str, Any]) -> None:
