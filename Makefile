@@ -8,7 +8,7 @@ STAMP  := $(VENV)/.pdx-installed
 TORCH  ?= torch==2.13.0
 
 .PHONY: install demo test lint typecheck unit proto proto-check system-tools vllm vllm-if-possible \
-	bench clean
+	bench clean image
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,15 @@ proto-check: $(STAMP)
 
 bench: $(STAMP)
 	for b in benchmarks/bench_*.py; do $(BIN)/python $$b || exit 1; done
+
+# The container image (Containerfile) with no registry and no network beyond the package sources:
+# a wheelhouse from pip's configured sources, a Debian base made with mmdebstrap (or BASE_IMAGE),
+# then docker, podman or buildah, whichever runs here. IMAGE_TARGET=vllm adds the vLLM
+# environment. See docs/deploy.md "Container image".
+IMAGE_TARGET ?= runtime
+image:
+	@TORCH="$(TORCH)" PYTHON="$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))" \
+	  scripts/build-image.sh --target $(IMAGE_TARGET)
 
 clean:
 	rm -rf $(VENV) .mypy_cache .ruff_cache .pytest_cache
