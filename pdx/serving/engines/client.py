@@ -78,6 +78,7 @@ class StreamChunk:
     logprobs: dict[str, Any] | None = None
     usage: dict[str, Any] | None = None
     text: str | None = None  # the engine's own detokenized text (None: the event had none)
+    more: bool = False  # another event arrived in the same read: it follows without a wait
 
 
 _JSON = {"Content-Type": "application/json"}
@@ -172,14 +173,14 @@ class EngineClient:
                         rest = lines.pop()
                         if len(rest) > MAX_EVENT_BYTES:
                             raise EngineHTTPError(502, f"an event over {MAX_EVENT_BYTES} bytes")
-                        for line in lines:
-                            if len(line) < 6:  # a blank line between events ("data:x" is 6)
-                                continue
+                        events = [line for line in lines if len(line) >= 6]  # not blank lines
+                        for k, line in enumerate(events):  # ("data:x" is 6)
                             chunk = _parse_event(line)
                             if chunk is _DONE:
                                 done = True
                                 return
                             if chunk is not None:
+                                chunk.more = k < len(events) - 1
                                 yield chunk
                     last = _parse_event(rest) if rest else None  # no newline after it
                     done = last is _DONE

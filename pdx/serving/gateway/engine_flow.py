@@ -248,6 +248,7 @@ class EngineFlow(Flow):
                 for i, token in enumerate(chunk.token_ids):
                     self._token(token, _logprob(lps[i]) if i < len(lps) else None,
                                 decode=not own_text)  # fmt: skip
+                    self.more_ready = chunk.more or i < len(chunk.token_ids) - 1
                     yield token
                     if self.outcome.finish_reason:
                         return

@@ -119,6 +119,9 @@ class Flow:
         self.prefill_reply: serving_pb2.PrefillReply | None = None
         self.marks: dict[str, float] = {}  # gateway-side intervals, seconds
         self.client_gone = False  # the streaming client disconnected before the end
+        # The next token is already here (the same upstream message or read): the writer may
+        # hold this token's event and send both in one write instead of one send each.
+        self.more_ready = False
         # Streamed KV: decode's Generate, started at prefill's ``opened`` event so its Get
         # runs while prefill still computes; and when it was sent.
         self._early: Any = None
@@ -300,6 +303,7 @@ class Flow:
                         skip -= 1
                         continue
                     self._token(token, lps[i] if i < len(lps) else None)
+                    self.more_ready = i < len(chunk.token_ids) - 1
                     yield token
                     if self.outcome.finish_reason:
                         return

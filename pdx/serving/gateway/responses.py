@@ -143,6 +143,11 @@ class SSEWriter:
         self.echo = prompt_text(tokenizer, req) if req.echo else ""
         head = {"id": rid, "object": self.obj, "created": created, "model": req.model}
         self._head = b"data: " + orjson.dumps(head)[:-1] + b',"choices":['
+        # Events not yet written: held while the next token is already here, so a burst of
+        # tokens (one upstream read) costs one send, not one per token. Nothing waits on I/O
+        # while held: the buffer is written before the writer next awaits an upstream.
+        self._out: list[bytes] = []
+        self._queue: asyncio.Queue[Any] | None = None  # several choices: their shared queue
 
     async def _send(self, choice: dict[str, Any] | None, **extra: Any) -> None:
         # The event is {id, object, created, model, choices[, usage], **extra}; the fields
@@ -154,7 +159,23 @@ class SSEWriter:
         for key, value in extra.items():
             parts += [b',"', key.encode(), b'":', orjson.dumps(value)]
         parts.append(b"}\n\n")
-        await self.resp.write(b"".join(parts))
+        self._out.append(b"".join(parts))
+        if not self._held():
+            await self.flush()
+
+    def _held(self) -> bool:
+        """Whether the next event is already at hand (written together with this one)."""
+        if self._queue is not None:
+            return not self._queue.empty()
+        flow = self.flows[0]
+        return len(self.flows) == 1 and flow.more_ready and not flow.outcome.finish_reason
+
+    async def flush(self) -> None:
+        """Write every held event at once."""
+        if self._out:
+            data = b"".join(self._out)
+            self._out.clear()
+            await self.resp.write(data)
 
     def _usage(self) -> dict[str, int]:
         return usage(self.req, sum(len(f.outcome.tokens) for f in self.flows))
@@ -208,7 +229,8 @@ class SSEWriter:
                 await self._send(None, usage=self._usage())
         except HTTPProblem as exc:
             await self.error(exc)
-        await self.resp.write(b"data: [DONE]\n\n")
+        self._out.append(b"data: [DONE]\n\n")
+        await self.flush()
         await self.resp.write_eof()
 
     async def _one(self, flow: Flow, first: int | None, events: AsyncIterator[int]) -> None:
@@ -221,6 +243,7 @@ class SSEWriter:
     async def _many(self, firsts: list[int | None], events: Sequence[AsyncIterator[int]]) -> None:
         # Choices generate concurrently; their events are written as they come, one at a time.
         queue: asyncio.Queue[tuple[Flow, int | None, BaseException | None]] = asyncio.Queue()
+        self._queue = queue
 
         async def pump(flow: Flow, first: int | None, it: AsyncIterator[int]) -> None:
             try:
@@ -255,7 +278,8 @@ class SSEWriter:
 
     async def error(self, exc: HTTPProblem) -> None:
         """An error after streaming began: one error event (the stream then ends)."""
-        await self.resp.write(f"data: {json.dumps(exc.body())}\n\n".encode())
+        self._out.append(f"data: {json.dumps(exc.body())}\n\n".encode())
+        await self.flush()
 
 
 def created_now() -> int:
