@@ -34,7 +34,8 @@ def test_init_certs_writes_ca_and_identities(certs: Path) -> None:
 
     names = sorted(p.name for p in certs.iterdir())
     assert names == sorted(
-        ["ca.pem"] + [f"{n}.{e}" for n in ("kv-store", "prefill", "decode") for e in ("pem", "key")]
+        ["ca.pem"]
+        + [f"{n}.{e}" for n in ("kv-store", "prefill", "decode", "gateway") for e in ("pem", "key")]
     )
     assert (certs.parent / f"{certs.name}.ca-key" / "ca.key").is_file()
     assert (certs / "decode.key").stat().st_mode & 0o077 == 0
