@@ -28,9 +28,11 @@ def test_tcp_info_and_congestion_control_of_a_real_socket(probe_server: Any) -> 
     assert limits.tcp_wmem_max and limits.tcp_rmem_max
 
 
-def test_probe_link_reports_both_ends_tcp_and_each_single_stream(probe_server: Any) -> None:
+def test_probe_link_reports_both_ends_tcp_and_each_single_stream(
+    loopback_probe_server: Any,
+) -> None:
     opts = ProbeOptions(
-        target=f"127.0.0.1:{probe_server.tcp_port}", duration_s=0.5, omit_s=0.2, streams=2,
+        target=f"127.0.0.1:{loopback_probe_server.tcp_port}", duration_s=0.5, omit_s=0.2, streams=2,
         phases=("throughput",), max_duration_s=1.5, rules=VerdictRules(),
     )  # fmt: skip
     report = probe_link(opts)
