@@ -402,6 +402,12 @@ class Search(BaseModel):
         "each probe sees what a plain run at that value sees, not the breaker window, TCP "
         "windows and estimates earlier probes left; off: one deployment for all (faster)",
     )
+    confirm: Annotated[int, Field(ge=0, le=3)] = Field(
+        default=1,
+        description="once the bracket is narrow its GO end is probed again this many times; "
+        "a confirmation that is not GO disputes that value and the search goes on below it "
+        "(one GO on a noisy machine can be luck)",
+    )
     max_extensions: Annotated[int, Field(ge=0, le=4)] = Field(
         default=2,
         description="an INCONCLUSIVE probe is run again this many times at most, each twice "

@@ -12,6 +12,13 @@ An INCONCLUSIVE probe (the sample could not decide a criterion) is run again, tw
 or as long as its undecided criteria's sample needs, up to ``search.max_extensions`` times;
 one still undecided counts as not GO for the bracket (the limit stays a value proven GO) and
 is listed under ``undecided``.
+
+On a shared, noisy machine one GO can be luck: a probe that met every criterion at a value the
+system carries only most of the time. So the bracket's GO end is probed again once the bracket
+is narrow (``search.confirm`` times, MLRsearch's answer to noise: a load is accepted on repeated
+trials); a confirmation that is not GO makes that value *disputed* (listed, never the limit),
+the next GO below it becomes the limit, and the search goes on between the two. A limit the
+budget left unconfirmed is not ``found``.
 """
 
 from __future__ import annotations
@@ -125,6 +132,7 @@ class Probe:
     attempt: int = 1
     superseded: bool = False
     wall_s: float = 0.0
+    confirmation: bool = False  # a value already GO, probed again (``search.confirm``)
 
 
 @dataclass
@@ -140,17 +148,34 @@ class Bracket:
     widenings: int = 0
     used_prediction: bool = False
     probed: list[float] = field(default_factory=list)
+    confirm: int = 0  # how many more GOs the limit needs after its first
+    go_counts: dict[float, int] = field(default_factory=dict)
+    disputed: list[float] = field(default_factory=list)
+
+    @property
+    def confirmed(self) -> bool:
+        """Whether the GO end has been GO as many times as ``confirm`` asks (1 + confirm)."""
+        return self.good is not None and self.go_counts.get(self.good, 0) > self.confirm
 
     def record(self, value: float, verdict: Verdict) -> None:
         """Fold one probe's final verdict in (INCONCLUSIVE = undecided after its extensions)."""
         ax = self.axis
         self.probed.append(value)
         if verdict == "GO":
+            if value in self.disputed:
+                return
+            self.go_counts[value] = self.go_counts.get(value, 0) + 1
             if self.bad is not None and not ax.worse(self.bad, value):
                 self.non_monotone.append(value)
             elif self.good is None or ax.worse(value, self.good):
                 self.good = value
             return
+        if value in self.go_counts and value not in self.disputed:  # GO once, not now
+            self.disputed.append(value)
+            del self.go_counts[value]
+            if self.good == value:
+                below = [v for v in self.go_counts if ax.worse(value, v)]
+                self.good = max(below, key=lambda v: v if ax.worse_up else -v, default=None)
         if verdict == "INCONCLUSIVE":
             self.undecided.append(value)
         if self.bad is None or ax.worse(self.bad, value):
@@ -165,7 +190,7 @@ class Bracket:
             return None
         if self.bad is None:
             if self.good == ax.worst:
-                return None
+                return self._confirmation()
             if (
                 predicted is not None
                 and not self.widenings
@@ -178,8 +203,12 @@ class Bracket:
             self.widenings += 1
             return value if value not in self.probed and value != self.good else None
         if ax.narrow(self.good, self.bad):
-            return None
-        return ax.between(self.good, self.bad)
+            return self._confirmation()
+        return ax.between(self.good, self.bad) or self._confirmation()
+
+    def _confirmation(self) -> float | None:
+        """The GO end again while it lacks its confirmations; None: the search is over."""
+        return None if self.confirmed else self.good
 
     def outcome(self, budget_left: bool) -> str:
         """found | above_range | below_range | undecided | budget_exhausted."""
@@ -187,6 +216,8 @@ class Bracket:
         if self.good is None:
             return "below_range" if self.bad == ax.best and not self.bad_undecided else (
                 "undecided" if budget_left else "budget_exhausted")  # fmt: skip
+        if not self.confirmed:
+            return "budget_exhausted" if not budget_left else "undecided"
         if self.bad is None:
             return "above_range" if self.good == ax.worst else (
                 "budget_exhausted" if not budget_left else "undecided")  # fmt: skip
@@ -261,6 +292,9 @@ def result(
         "exit_code": EXIT_BY_OUTCOME[outcome],
         "undecided": bracket.undecided,
         "non_monotone": bracket.non_monotone,
+        "confirm": bracket.confirm,
+        "confirmed": bracket.confirmed,
+        "disputed": bracket.disputed,
         "predicted_limit": pred.get("predicted_limit"),
         "prediction": prediction,
         "extrapolation": extrapolation,

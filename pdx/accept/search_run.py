@@ -156,7 +156,7 @@ class SearchRun(AcceptRun):
             self.capacity = capacity_line(self.searches)
 
     async def _search(self, net: str, tpl: Step, locustfile: Path) -> dict[str, Any]:
-        bracket = Bracket(self.axis)
+        bracket = Bracket(self.axis, confirm=self.pb.search.confirm)
         probes: list[Probe] = []
         prediction: dict[str, Any] | None = None
         budget_left = True
@@ -164,7 +164,8 @@ class SearchRun(AcceptRun):
             value = bracket.next_value((prediction or {}).get("predicted_limit"))
             if value is None:
                 break
-            final = await self._probe(value, net, tpl, locustfile, probes)
+            again = value in bracket.go_counts
+            final = await self._probe(value, net, tpl, locustfile, probes, again)
             if final is None:
                 budget_left = False
                 break
@@ -174,7 +175,13 @@ class SearchRun(AcceptRun):
         return result(bracket, probes, net, budget_left, prediction)
 
     async def _probe(
-        self, value: float, net: str, tpl: Step, locustfile: Path, probes: list[Probe]
+        self,
+        value: float,
+        net: str,
+        tpl: Step,
+        locustfile: Path,
+        probes: list[Probe],
+        confirmation: bool = False,
     ) -> Probe | None:
         """One value, extended while INCONCLUSIVE; None when the budget cannot pay for it."""
         duration = probe_duration(self.pb, value if self.axis.param == "rate" else None)
@@ -194,6 +201,7 @@ class SearchRun(AcceptRun):
             self._overheads.append(max(0.0, wall - duration))
             self.outcomes.append(outcome)
             final = self._judge_probe(value, outcome, attempt, wall)
+            final.confirmation = confirmation
             probes.append(final)
             if self.on_probe is not None:
                 self.on_probe(final, {"param": self.axis.param, "condition": net})

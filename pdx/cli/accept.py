@@ -103,7 +103,8 @@ def _search(pb: Any, playbook: Path, out: Path, *, as_json: bool, no_progress: b
         ratio = f", {p.binding} at {p.worst_ratio:.2f}× its threshold" if p.binding else ""
         why = f" ({', '.join(p.failed or p.undecided)})" if p.verdict != "GO" else ""
         err_console().print(
-            f"probe {p.step}: {ctx['param']} {p.value:g} → {p.verdict}{why}{ratio}; "
+            f"probe {p.step}: {ctx['param']} {p.value:g}"
+            f"{' (confirmation)' if p.confirmation else ''} → {p.verdict}{why}{ratio}; "
             f"{p.requests} requests, {p.wall_s:.0f} s",
             soft_wrap=True,
             markup=False,

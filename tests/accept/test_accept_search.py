@@ -217,3 +217,55 @@ def test_the_predicted_limit_in_past_and_below_the_range(
     got = r["extrapolated_limit"]
     assert (got is None) if extrapolated is None else got == pytest.approx(extrapolated, rel=0.01)
     assert r["predicted_below_range"] is below
+
+
+def _walk_noisy(axis: Axis, verdicts: dict[float, list[str]], confirm: int = 1) -> Bracket:
+    """Drive a bracket against a system whose verdict at each value is given in turn."""
+    b = Bracket(axis, confirm=confirm)
+    seen: dict[float, int] = {}
+    for _ in range(40):
+        v = b.next_value(None)
+        if v is None:
+            return b
+        k = seen.get(v, 0)
+        seen[v] = k + 1
+        script = verdicts.get(v)
+        default = "GO" if v <= 20.0 else "NO-GO"
+        b.record(v, script[k] if script and k < len(script) else default)
+    raise AssertionError(f"the search did not end: {b}")
+
+
+def test_the_limit_is_confirmed_before_it_is_found() -> None:
+    ax = Axis("rate", 10.0, 64.0, resolution=2.0)
+    b = _walk_noisy(ax, {})
+    assert b.outcome(True) == "found" and b.confirmed and b.good is not None
+    assert b.good <= 20.0 < (b.bad or 0) and b.probed.count(b.good) == 2
+    r = result(b, [], "normal", True, None)
+    assert r["confirmed"] and r["confirm"] == 1 and r["disputed"] == []
+    # confirm 0: one GO is enough, as before
+    assert _walk_noisy(ax, {}, confirm=0).probed.count(b.good) == 1
+
+
+def test_a_lucky_go_that_fails_its_confirmation_is_disputed_and_the_search_goes_below() -> None:
+    ax = Axis("rate", 10.0, 64.0, resolution=2.0)
+    # 24 is GO once by luck (the system carries 20), then NO-GO when confirmed
+    b = Bracket(ax, confirm=1)
+    for v, verdict in ((10.0, "GO"), (24.0, "GO"), (25.0, "NO-GO")):
+        b.record(v, verdict)
+    assert b.next_value(None) == 24.0  # narrow: the GO end again
+    b.record(24.0, "NO-GO")
+    assert b.disputed == [24.0] and (b.good, b.bad) == (10.0, 24.0) and not b.confirmed
+    assert b.outcome(True) == "undecided"
+    while (v := b.next_value(None)) is not None:
+        b.record(v, "GO" if v <= 20.0 else "NO-GO")
+    assert b.outcome(True) == "found" and b.good is not None and 18.0 <= b.good <= 20.0
+    assert b.disputed == [24.0] and b.go_counts[b.good] == 2
+
+
+def test_an_unconfirmed_limit_is_not_found_when_the_budget_ends() -> None:
+    b = Bracket(Axis("rate", 10.0, 64.0, resolution=2.0), confirm=1)
+    for v, verdict in ((10.0, "GO"), (20.0, "GO"), (21.0, "NO-GO")):
+        b.record(v, verdict)
+    assert b.outcome(False) == "budget_exhausted"
+    r = result(b, [], "normal", False, None)
+    assert r["limit"] == 20.0 and not r["confirmed"]

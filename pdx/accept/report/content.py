@@ -471,11 +471,20 @@ def extra_sections(report: Report) -> list[Section]:
         if s.get("undecided"):
             lines.append("Undecided after their extensions (counted as not GO): "
                          + ", ".join(f"{v:g}" for v in s["undecided"]))  # fmt: skip
+        if s.get("disputed"):
+            lines.append("GO once, then not on confirmation (never the limit): "
+                         + ", ".join(f"{v:g}" for v in s["disputed"]))  # fmt: skip
+        if s.get("confirm") and not s.get("confirmed") and s.get("limit") is not None:
+            lines.append(
+                f"The limit {s['limit']:g} was not confirmed ({s['confirm']} more "
+                "GO asked by search.confirm): the search ended first (budget or probe cap)."
+            )
         if s.get("non_monotone"):
             lines.append("GO beyond a value that was not (noise; the bracket ignores them): "
                          + ", ".join(f"{v:g}" for v in s["non_monotone"]))  # fmt: skip
         rows = [
-            [f"{p['value']:g}", p["verdict"] + (" (extended)" if p["superseded"] else ""),
+            [f"{p['value']:g}", p["verdict"] + (" (extended)" if p["superseded"] else "")
+             + (" (confirmation)" if p.get("confirmation") else ""),
              str(p["requests"]), f"{p['duration_s']:g}",
              f"{p['binding']} {p['worst_ratio']:.2f}× threshold" if p.get("binding") else "–",
              ", ".join(p["failed"] or p["undecided"]) or "–", p["step"]]
