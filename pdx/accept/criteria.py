@@ -424,6 +424,11 @@ def _first_bounding_n(q: float, confidence: float) -> int:
 def _observed_note(spec: _Spec, summary: dict[str, Any], threshold: float | None = None) -> str:
     if spec.method != "observed":
         return ""
+    if summary.get("kv_stranded_source") == "prefill_kv_usage":
+        held = summary.get("kv_stranded_max_s")
+        if summary.get("kv_stranded_still_held"):
+            return f"prefill's KV usage still above 0 {held:g} s after the step's last request"
+        return f"prefill's KV usage back to 0 within {held:g} s of the step's last request"
     holds = summary.get("_kv_stranded_holds_s")
     over = (
         sum(1 for h in holds if h > threshold)

@@ -74,18 +74,30 @@ def predict_run(
 
     kv = preflight.get("measure_kv") or preflight.get("_kv")
     model = model_fields({"preflight": {"measure_kv": kv}, "name": pb.name})
-    compute, fits = compute_fits([_step_dict(s, r) for s, r, _ in steps], model)
     facts = deploy_facts(pb, playbook_dir)
     baseline = preflight.get("probe_link")
+    engine = _EngineCalibration(steps, model, baseline, facts) if facts.engine == "vllm" else None
+    if engine is not None:
+        compute, fits = engine.compute, engine.fits
+    else:
+        compute, fit_list = compute_fits([_step_dict(s, r) for s, r, _ in steps], model)
+        fits = [asdict(f) for f in fit_list]
     tol, conf = pb.prediction.error_max_pct, pb.judgement.confidence
     done: list[tuple[str, StepPrediction]] = []
     inputs: list[advice.StepInput] = []
     for step, report, records in steps:
         link, link_from = _link(report, baseline)
-        own, compute_from = _compute(step, report, compute, model)
+        if engine is not None:
+            own, compute_from = engine.step_compute(step, report)
+        else:
+            own, compute_from = _compute(step, report, compute, model)
         fields = sim_fields(own, model, link, facts) if link else None
+        if fields is not None and engine is not None:
+            fields.update(engine.pull_fields())
         pred = predict_step(fields, records, link_from, conf, tol)
         pred.model["compute_from"] = compute_from
+        if engine is not None:
+            pred.model["pull_round_trips_from"] = engine.round_trips_from
         report.prediction, report.unexplained = pred.figures, pred.unexplained
         report.prediction_model = pred.model
         done.append((step.id, pred))
@@ -111,6 +123,52 @@ def predict_run(
         kv_bytes_per_token=model["kv_bytes_per_token"],
     )
     settings = {k: Recommendation(**v) for k, v in advice.recommend(run).items()}
-    summary = run_summary(done, tol, [asdict(f) for f in fits])
+    summary = run_summary(done, tol, fits)
     summary["facts"] = asdict(facts)
     return settings, summary
+
+
+class _EngineCalibration:
+    """``engine: vllm``: compute from vLLM's own timings, the pull's round trips from the
+    run's first step that shipped KV (:mod:`pdx.accept.engine_calibrate`)."""
+
+    def __init__(
+        self,
+        steps: list[tuple[Step, StepReport, list[dict[str, Any]]]],
+        model: dict[str, Any],
+        baseline: dict[str, Any] | None,
+        facts: Any,
+    ) -> None:
+        from pdx.accept.engine_calibrate import engine_compute, pull_round_trips
+        from pdx.accept.prediction import goodput_bps
+
+        self.model = model
+        self.compute, self.fits = engine_compute([(s, r) for s, r, _ in steps], model)
+        self.round_trips: float | None = None
+        self.round_trips_from: str | None = None
+        for step, report, _ in steps:
+            link, _from = _link(report, baseline)
+            rt = pull_round_trips(step, report, link, goodput_bps(link, facts.kv_streams), model)
+            if rt is not None:
+                self.round_trips, self.round_trips_from = rt, step.id
+                how = (
+                    f"vLLM's pull on {step.id}: (transfer p50 - wire time - one decode step) "
+                    "/ probed RTT p50"
+                )
+                self.fits.append({"param": "link_round_trips", "value": rt, "source": how,
+                                  "points": 1, "max_error_pct": None})  # fmt: skip
+                break
+
+    def step_compute(self, step: Step, report: StepReport) -> tuple[dict[str, Any], str]:
+        from pdx.accept.engine_calibrate import engine_compute
+
+        own, _ = engine_compute([(step, report)], self.model)
+        if "prefill_flops" in own and "decode_hbm_bytes_per_s" in own:
+            return {**self.compute, **own}, "the step's own vLLM timings (vllm: series)"
+        return self.compute, "the run's vLLM timings (vllm: series)"
+
+    def pull_fields(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"first_token_from": "decode", "prefill_over_link": True}
+        if self.round_trips is not None:
+            out["link_round_trips"] = self.round_trips
+        return out

@@ -8,10 +8,13 @@
 - wrong output: a sample of greedy requests replayed on the local route, token ids compared;
 - stranded KV: how long each KV object stayed in the store after its request ended, from the
   store's audit log (put, then release / expire / evict) and decode's per-request records;
+  with vLLM engines, how long prefill's KV usage stayed above 0 after the step's last request
+  ended (:mod:`pdx.accept.engine_kv`);
 - overdue: requests still unanswered past their own deadline + 2 × RTT;
 - idle gap: the first burst after an idle period against the same step's steady TTFT.
 
-Everything here is pure (records in, numbers out) except :func:`replay`, which sends requests.
+Everything here is pure (records in, numbers out) except :func:`replay`, which sends requests,
+and the engine stranded-KV watch, which reads the gateway's metrics.
 """
 
 from __future__ import annotations
@@ -360,6 +363,9 @@ class GateContext:
     replay_requests: int = 16
     idle_burst_s: float = 1.0
     seed: int = 0
+    # engine: vllm — where prefill's KV usage is read (the gateway's /metrics) for the
+    # stranded-KV gate (pdx.accept.engine_kv); None: no such target
+    metrics_url: str | None = None
 
 
 @dataclass
@@ -398,6 +404,9 @@ async def collect(
             missing.append("silent_fallback_max: no request was labelled disaggregated")
     facts.update(overdue(rows, ctx.deadline_s, ctx.rtt_s))
     facts["deadline_s"] = ctx.deadline_s
+    from_engine = _engine_rows(rows)
+    if from_engine:  # before the replay: its requests must not be what prefill is seen holding
+        await _engine_stranded_facts(ctx, rows, facts, missing)
     await _replay_facts(ctx, rows, step_index, facts, missing)
     samples: dict[str, list[float]] = {}
     if idle_s > 0:
@@ -409,7 +418,9 @@ async def collect(
             samples["steady_ttft_ms"] = burst.pop("_steady_ttft_ms")
             samples["burst_ttft_ms"] = burst.pop("_burst_ttft_ms")
             facts.update(burst, idle_s=idle_s)
-    if not ctx.audit_dirs or ctx.stranded_bound_s is None:
+    if from_engine:
+        pass  # judged from prefill's own KV usage above
+    elif not ctx.audit_dirs or ctx.stranded_bound_s is None:
         missing.append(
             "kv_stranded_max_s: no KV store audit log (engine: vllm, or a target.url without "
             "target.records_dirs)"
@@ -421,6 +432,24 @@ async def collect(
         objs = [o for o in held_objects(audit, records, rows).values() if o.stored_s >= t0_s]
         facts.update(stranded(objs, ctx.stranded_bound_s, now))
     return StepGates(facts, samples, missing)
+
+
+async def _engine_stranded_facts(
+    ctx: GateContext, rows: list[dict[str, Any]], facts: dict[str, Any], missing: list[str]
+) -> None:
+    """vLLM: KV prefill still holds once the step's requests ended, from its KV usage."""
+    from pdx.accept.engine_kv import watch_prefill_kv
+
+    if ctx.metrics_url is None or ctx.stranded_bound_s is None:
+        missing.append("kv_stranded_max_s: the target's prefill KV usage is not readable here "
+                       "(a target.url in front of vLLM: set a number, or null)")  # fmt: skip
+        return
+    shipped = sum(1 for r in rows if (r.get("pdx") or {}).get("route") == "disaggregated")
+    held = await watch_prefill_kv(ctx.metrics_url, rows, ctx.stranded_bound_s, shipped)
+    if isinstance(held, str):
+        missing.append(f"kv_stranded_max_s: engine vllm: {held}")
+    else:
+        facts.update(held)
 
 
 async def _replay_facts(

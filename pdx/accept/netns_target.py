@@ -24,6 +24,7 @@ from pdx.errors import PdxError
 HOST_ADDR = "10.77.3.1"  # the first host link; a run beside another takes the next free /30
 SITE_ADDR = "10.77.3.2"
 HOST_NET = "10.77.3"
+MIN_RTT_WINDOW_S = 2  # net.ipv4.tcp_min_rtt_wlen of the sites (the kernel's default: 300)
 
 
 class NetnsUnavailable(PdxError):
@@ -97,6 +98,7 @@ class Topology:
         self.created = True
         status = await asyncio.to_thread(netns.up, self.cfg)
         await asyncio.to_thread(self._host_link)
+        await asyncio.to_thread(self._short_min_rtt_window)
         return {"namespaces": self.cfg.namespaces, "qdiscs": status.get("qdiscs", {})}
 
     def _host_link(self) -> None:
@@ -107,6 +109,15 @@ class Topology:
         _ip("link", "set", "dev", self.host_dev, "up")
         _ip("-n", self.decode_ns, "addr", "replace", f"{self.site_addr}/30", "dev", "eth-host")
         _ip("-n", self.decode_ns, "link", "set", "dev", "eth-host", "up")
+
+    def _short_min_rtt_window(self) -> None:
+        """TCP's minimum RTT over the last few seconds, not five minutes (the kernel's
+        default), in both sites: a connection that outlives a step (NIXL's, the KV client's)
+        then reports the step's own RTT when read at its end (:meth:`tcp_between_sites`)."""
+        for ns in (self.prefill_ns, self.decode_ns):
+            subprocess.run(["ip", "netns", "exec", ns, "sysctl", "-qw",
+                            f"net.ipv4.tcp_min_rtt_wlen={MIN_RTT_WINDOW_S}"],
+                           capture_output=True, check=False)  # fmt: skip
 
     def deploy_overrides(self, *, via_proxy: bool = False) -> list[str]:
         """``pdx deploy --set`` items placing prefill in its site and the gateway on the link.
@@ -197,6 +208,22 @@ class Topology:
             out.setdefault(f"{d}_dropped_queue", int(drops))
         return out
 
+    async def tcp_between_sites(self) -> dict[str, Any]:
+        """TCP's own view of the connections between the sites (``ss -tin`` in each site):
+        the busiest each way (NIXL/UCX's KV connection with vLLM, the KV client's with pdx),
+        with the kernel's smoothed RTT (queueing at the router's rate included) and its
+        minimum over the last ``MIN_RTT_WINDOW_S``, and every connection's."""
+        return await asyncio.to_thread(self._tcp_between_sites)
+
+    def _tcp_between_sites(self) -> dict[str, Any]:
+        sent = tcp_connections(self.prefill_ns, f"src {self.prefill_addr}")
+        received = tcp_connections(self.decode_ns, f"dst {self.prefill_addr}")
+        return {
+            "kv_sender": max(sent, key=lambda c: c.get("bytes_acked", 0), default=None),
+            "kv_receiver": max(received, key=lambda c: c.get("bytes_received", 0), default=None),
+            "decode_side": received,
+        }
+
     async def down(self) -> None:
         """Delete the namespaces (their veths, the host link included, go with them)."""
         from pdx.faults import netns
@@ -211,3 +238,44 @@ def counters_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, i
     """What the router did during one step (both read after the step's condition was set;
     a counter that went backwards means the emulator restarted: its value after counts)."""
     return {k: v - before.get(k, 0) if v >= before.get(k, 0) else v for k, v in after.items()}
+
+
+_SS_NUMBERS = ("bytes_acked", "bytes_received", "bytes_sent", "retrans", "lost")
+
+
+def tcp_connections(ns: str, selector: str) -> list[dict[str, Any]]:
+    """Established TCP connections of namespace ``ns`` matching an ``ss`` filter (``dst
+    10.77.1.1``): local and peer address, RTT (``rtt_ms``: the kernel's smoothed, ``min_rtt_ms``)
+    and byte counts, as ``ss -tin`` reports them."""
+    argv = ["ip", "netns", "exec", ns, "ss", "-tinH", "state", "established", *selector.split()]
+    proc = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        return []
+    out: list[dict[str, Any]] = []
+    for line in proc.stdout.splitlines():
+        fields = line.split()
+        if not fields:
+            continue
+        if not line[0].isspace() and len(fields) >= 4:  # Recv-Q Send-Q Local Peer
+            out.append({"local": fields[-2], "peer": fields[-1]})
+            continue
+        if out:
+            out[-1].update(_ss_info(fields))
+    return out
+
+
+def _ss_info(fields: list[str]) -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    for f in fields:
+        key, _, value = f.partition(":")
+        try:
+            if key == "rtt":
+                srtt, _, var = value.partition("/")
+                info["rtt_ms"], info["rttvar_ms"] = float(srtt), float(var or 0)
+            elif key == "minrtt":
+                info["min_rtt_ms"] = float(value)
+            elif key in _SS_NUMBERS:
+                info[key] = int(value.split("/")[-1])  # retrans: now/total: the total
+        except ValueError:
+            continue
+    return info

@@ -225,7 +225,9 @@ class Criteria(BaseModel):
     kv_stranded_max_s: Annotated[float, Field(ge=0)] | Literal["auto"] | None = Field(
         default="auto",
         description="longest time a KV object stays held after its request ended; "
-        "auto = the deploy's kv_transfer_timeout_ms + 2 x the probed RTT p99",
+        "auto = the deploy's kv_transfer_timeout_ms + 2 x the probed RTT p99 (engine: vllm: "
+        "how long prefill's KV usage stays above 0 after the step's last request; auto = "
+        "vllm.kv_lease_s + 2 x RTT + 1 s)",
     )
     overdue_requests_max: Fraction | None = Field(
         default=0.0,

@@ -52,6 +52,7 @@ class DeployFacts:
     chunk_size_kb: int
     codec: str
     congestion_control: str
+    engine: str = "pdx"
 
 
 def deploy_facts(pb: Playbook, playbook_dir: Path) -> DeployFacts:
@@ -69,6 +70,7 @@ def deploy_facts(pb: Playbook, playbook_dir: Path) -> DeployFacts:
         chunk_size_kb=cfg.kv.chunk_size_kb,
         codec=cfg.kv.codec,
         congestion_control=cfg.kv.congestion_control,
+        engine=cfg.engine,
     )
 
 
@@ -154,7 +156,11 @@ def simulate_step(fields: dict[str, Any], workload: Any) -> dict[str, float | No
         pooled["tpot_ms"].append(
             np.where(out > 1, (finish - first) / np.maximum(out - 1, 1), np.nan) * 1e3
         )
-        pooled["transfer_ms"].append(np.asarray(tr.link_time_s) * 1e3)
+        if cfg.first_token_from == "decode":  # vLLM's flow: the gateway times decode's call
+            # (the KV handle handed over) → decode's first token, the pull and a step included
+            pooled["transfer_ms"].append((first - np.asarray(tr.transfer_start_s)) * 1e3)
+        else:
+            pooled["transfer_ms"].append(np.asarray(tr.link_time_s) * 1e3)
     predicted: dict[str, float | None] = {}
     for metric, (sample, q) in {**METRICS, **EXTRA}.items():
         values = np.concatenate(pooled[sample])

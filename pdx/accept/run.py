@@ -217,8 +217,8 @@ class AcceptRun:
 
         pb = self.pb.model_copy(update={"target": self._with_audit(self.pb.target)})
         cfg = deploy_config(pb, self.playbook_dir)
-        if cfg.engine != "pdx":  # an engine keeps no pdx KV store, hence no audit log
-            return []
+        # With engine: vllm there is no pdx KV store (no audit log), but decode's KV-load
+        # failure records (the silent-fallback gate's) are written there.
         configured = cfg.kv
         return [Path(configured.audit_dir)] if configured.audit_dir else []
 
@@ -241,12 +241,18 @@ class AcceptRun:
         summary = ((self.preflight or {}).get("probe_link") or {}).get("summary") or {}
         rtt_s = float(summary.get("rtt_p99_ms") or 0.0) / 1e3
         deadline, bound = pb.judgement.request_deadline_s, None
+        metrics_url: str | None = None
         if pb.target.deploy is not None:
             from pdx.accept.preflight import deploy_config
 
             cfg = deploy_config(pb, self.playbook_dir)
             deadline = deadline or cfg.gateway.request_timeout_s
-            bound = self._transfer_deadline_s(cfg.kv.kv_transfer_timeout_ms, summary) + 2 * rtt_s
+            if cfg.engine == "pdx":
+                bound = self._transfer_deadline_s(cfg.kv.kv_transfer_timeout_ms, summary)
+                bound += 2 * rtt_s
+            else:  # vLLM's prefill frees KV nobody pulled when its lease runs out
+                bound = cfg.vllm.kv_lease_s + 2 * rtt_s + 1.0
+                metrics_url = self.url + pb.target.metrics_path
         elif pb.target.records_dirs:  # its kv_transfer_timeout_ms is not known here: derived
             bound = self._transfer_deadline_s(None, summary) + 2 * rtt_s
         return GateContext(
@@ -261,6 +267,7 @@ class AcceptRun:
             replay_requests=pb.judgement.replay_requests,
             idle_burst_s=pb.judgement.idle_burst_s,
             seed=pb.seed,
+            metrics_url=metrics_url,
         )
 
     def _needs_proxy(self) -> bool:
@@ -363,6 +370,7 @@ class AcceptRun:
             from pdx.accept.netns_target import counters_delta as router_delta
 
             kernel["router_counters"] = router_delta(router_before, await self.topology.counters())
+            kernel["tcp"] = await self.topology.tcp_between_sites()  # RTT as TCP itself saw it
         gate = await self._collect_gates(step, step_dir, t0)
         outcome = self._finish_step(
             step, step_dir, t0, rc, (before, after), (proxy_before, proxy_after), resources, gate

@@ -371,6 +371,13 @@ class VLLMConfig(BaseModel):
     prefill_timeout_s: float = Field(
         30.0, gt=0, description="a prefill request past this degrades to decode recompute"
     )
+    kv_lease_s: int = Field(
+        30,
+        ge=1,
+        le=3600,
+        description="prefill keeps a request's KV this long for decode to pull, renewed while "
+        "decode waits (NixlConnector's kv_lease_duration); KV no decode pulled is freed then",
+    )
     kv_load_timeout_s: float = Field(
         20.0,
         gt=0,

@@ -125,6 +125,12 @@ class SimConfig(BaseModel):
         "ready; prefill: prefill streams it at once (pdx's flow: the request and the token "
         "cross the link, half a round trip each way, decode makes the other tokens)",
     )
+    prefill_over_link: bool = Field(
+        False,
+        description="with the first token from decode: the request still reaches prefill "
+        "across the link and prefill's answer (the KV handle) comes back before decode asks "
+        "for the KV — half a round trip each way (vLLM behind a router in the decode site)",
+    )
     # service-level objectives used for goodput
     slo_ttft_s: float = Field(10.0, gt=0)
     slo_tpot_s: float = Field(0.2, gt=0)

@@ -153,7 +153,8 @@ class Engine:
         # first token from prefill: the request reaches the prefill site, and the token and
         # the KV's handle come back, half a round trip each; decode makes the other tokens
         self.from_prefill = cfg.first_token_from == "prefill"
-        self.half_rtt_s = cfg.link_rtt_s / 2 if self.from_prefill else 0.0
+        crosses = self.from_prefill or cfg.prefill_over_link
+        self.half_rtt_s = cfg.link_rtt_s / 2 if crosses else 0.0
         self.layers = cfg.model_layers if cfg.kv_overlap == "layerwise" else 0
         self.kv_bytes_per_token = cfg.kv_bytes_per_token
         self.weight_bytes = cfg.weight_bytes

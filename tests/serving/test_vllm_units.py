@@ -95,7 +95,8 @@ def test_command_line_and_environment_of_each_instance(tmp_path: Path) -> None:
     assert argv[:3] == ["/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server"]
     kv = json.loads(argv[argv.index("--kv-transfer-config") + 1])
     assert kv == {"kv_connector": "NixlConnector", "kv_role": "kv_producer",
-                  "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail"}  # fmt: skip
+                  "kv_buffer_device": "cpu", "kv_load_failure_policy": "fail",
+                  "kv_connector_extra_config": {"kv_lease_duration": 30}}  # fmt: skip
     assert "--seed" in argv and "--max-num-seqs" not in argv
     assert json.loads(engines.argv(d0)[engines.argv(d0).index("--kv-transfer-config") + 1])[
         "kv_role"] == "kv_consumer"  # fmt: skip

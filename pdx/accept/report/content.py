@@ -294,13 +294,21 @@ def gate_lines(report: Report) -> list[str]:
                 f"replay on the local route: {sm.get('replay_mismatches', 0)} of "
                 f"{sm['replayed']} greedy requests gave other tokens"
             )
-        if sm.get("kv_objects") == 0:
+        if sm.get("kv_stranded_source") == "prefill_kv_usage":
+            held = sm.get("kv_stranded_max_s")
+            parts.append(
+                f"KV prefill held after the step's last request: {_num(held, '.2f')} s until "
+                "its KV usage was back to 0"
+                + (" (still held when the watch stopped)" if sm.get("kv_stranded_still_held")
+                   else "")
+            )  # fmt: skip
+        elif sm.get("kv_objects") == 0:
             parts.append("KV held after request end: no KV object entered the store")
-        elif sm.get("kv_objects") is not None:
+        elif sm.get("kv_objects") is not None and sm.get("kv_stranded_max_s") is not None:
             worst = sm.get("kv_stranded_worst") or {}
             parts.append(
                 f"KV held after request end: max {sm.get('kv_stranded_max_s', 0):.3f} s over "
-                f"{sm['kv_objects']} objects ({sm.get('kv_stranded_byte_s', 0):.4g} byte·s; "
+                f"{sm['kv_objects']} objects ({sm.get('kv_stranded_byte_s') or 0:.4g} byte·s; "
                 f"{sm.get('kv_stranded_still_held', 0)} still held"
                 + (f"; worst {worst.get('deleted_by')}" if worst else "")
                 + ")"
@@ -374,10 +382,20 @@ def _kernel_lines(s: StepReport) -> list[str]:
                 f"{c.get(f'{d}_overlimits', 0)} times, dropped {c.get(f'{d}_dropped_queue', 0)}"
             )
     how = "rate cap only (tbf)" if emulator == "none" else f"{emulator} emulator"
+    tcp = (k.get("tcp") or {}).get("kv_sender") or {}
+    seen = []
+    if tcp:
+        seen.append(
+            f"  - TCP's own view of the KV connection {tcp.get('local')} → {tcp.get('peer')} "
+            f"at the step's end: min RTT {_num(tcp.get('min_rtt_ms'), '.1f')} ms, smoothed "
+            f"{_num(tcp.get('rtt_ms'), '.1f')} ms, {tcp.get('retrans', 0)} segments "
+            "retransmitted"
+        )
     return [
         f"- **{s.id}** ({s.network}): router hop, {how}: {k.get('summary', '-')}; during the "
         f"step {'; '.join(moved) or 'no counters'}; service: {s.summary.get('retries', 0)} "
         f"retries, {s.summary.get('degraded', 0)} degraded, {s.summary.get('failed', 0)} failed",
+        *seen,
         *(f"  - `{dev}`: {text}" for dev, text in (k.get("qdiscs") or {}).items()),
     ]
 
@@ -510,6 +528,11 @@ def extra_sections(report: Report) -> list[Section]:
         if b.get("capacity"):
             lines.append(b["capacity"])
         out.append(("Split vs colocated", lines, BASELINE_HEADERS, rows))
+    from pdx.accept.report.engine import engine_section
+
+    engine = engine_section(report)
+    if engine is not None:
+        out.append(engine)
     if report.not_a_constraint:
         rows = [[n["name"], _fmt(n["threshold"]), str(n["steps"]),
                  "∞" if n["headroom"] is None else f"{n['headroom']:g}×"]

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +25,7 @@ from typing import Any, Literal, Protocol
 from pdx.errors import InputError, ServingError
 from pdx.serving.deploy_config import DeployConfig, VLLMConfig, engine_model_config_json
 from pdx.serving.engines.env import VLLMEnv, discover
+from pdx.serving.engines.sites import free_ports, ucx_net_device
 
 Role = Literal["prefill", "decode"]
 MODULE = "vllm.entrypoints.openai.api_server"
@@ -72,6 +72,8 @@ class Instance:
     cpus: list[int] = field(default_factory=list)
     gpu: int | None = None
     external_url: str | None = None
+    #: The interface its KV traffic uses (``UCX_NET_DEVICES``; None: UCX's choice).
+    ucx_net_device: str | None = None
 
     @property
     def name(self) -> str:
@@ -100,12 +102,10 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def free_port(host: str) -> int:
-    """A port the kernel says is free on ``host`` now (the instance binds it shortly after)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+def free_port(host: str, netns: str | None = None) -> int:
+    """A port the kernel says is free on ``host`` now, in ``netns`` when given (the instance
+    binds it shortly after)."""
+    return free_ports(host, 1, netns)[0]
 
 
 def resolve_model(v: VLLMConfig, cache_dir: Path) -> Path:
@@ -228,14 +228,18 @@ class VLLMEngines:
     def _instance(self, role: Role, i: int, k: int, cores: list[int]) -> Instance:
         side = self.cfg.prefill if role == "prefill" else self.cfg.decode
         v = self.cfg.vllm
-        port = side.port + i if side.port else free_port(side.host)
-        channel = v.side_channel_port + k if v.side_channel_port else free_port(side.host)
+        # Asked for where the instance will listen: a namespace's address is not this one's.
+        free = iter(free_ports(side.host, 2, side.netns))
+        port = side.port + i if side.port else next(free)
+        channel = v.side_channel_port + k if v.side_channel_port else next(free)
         cpus: list[int] = []
         if self.device == "cpu" and v.cpus_per_instance and cores:
             n = v.cpus_per_instance
             cpus = sorted({cores[(k * n + j) % len(cores)] for j in range(n)})
         gpu = k % self.env.gpus if self.device == "cuda" and self.env and self.env.gpus else None
-        return Instance(role, i, side.host, port, channel, cpus, gpu)
+        peer = None if role == "prefill" else self.cfg.prefill.host
+        device = ucx_net_device(side.host, peer, side.netns)
+        return Instance(role, i, side.host, port, channel, cpus, gpu, ucx_net_device=device)
 
     def children_roles(self) -> list[tuple[str, int]]:
         """(role, index) of every instance pdx starts (none when fronting)."""
@@ -251,7 +255,8 @@ class VLLMEngines:
         v = self.cfg.vllm
         kv = {"kv_connector": v.kv_connector, "kv_role": _ROLE[inst.role],
               "kv_buffer_device": self._buffer_device(),
-              "kv_load_failure_policy": v.kv_load_failure_policy}  # fmt: skip
+              "kv_load_failure_policy": v.kv_load_failure_policy,
+              "kv_connector_extra_config": {"kv_lease_duration": v.kv_lease_s}}  # fmt: skip
         argv = [self.env.python, "-m", MODULE, "--model", self.model.path,
                 "--served-model-name", self.model.served_name, "--host", inst.host,
                 "--port", str(inst.port), "--kv-transfer-config", json.dumps(kv),
@@ -292,6 +297,8 @@ class VLLMEngines:
         tls = v.ucx_tls if v.ucx_tls != "auto" else ("tcp,self" if self.device == "cpu" else None)
         if tls:
             env["UCX_TLS"] = tls
+        if inst.ucx_net_device:  # only the interface the other site routes to is offered
+            env["UCX_NET_DEVICES"] = inst.ucx_net_device
         if inst.cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, inst.cpus))
         if inst.gpu is not None:
@@ -328,7 +335,8 @@ class VLLMEngines:
                                "external": bool(inst.external_url)}  # fmt: skip
         if not inst.external_url:
             out.update(host=inst.host, port=inst.port, cpus=inst.cpus, gpu=inst.gpu,
-                       nixl_side_channel=f"{inst.host}:{inst.side_channel_port}")  # fmt: skip
+                       nixl_side_channel=f"{inst.host}:{inst.side_channel_port}",
+                       ucx_net_devices=inst.ucx_net_device)  # fmt: skip
             if inst.role == "prefill":  # where decode pulls the KV from (the KV link's end)
                 out["kv_endpoint"] = out["nixl_side_channel"]
         return out

@@ -1,0 +1,97 @@
+"""The simulator calibrated on vLLM's own timings, for the steps of an ``engine: vllm`` run.
+
+pdx's pair reports its server timings per request (prefill, KV store, the first decode step);
+vLLM reports its own, summed, in the ``vllm:`` series the gateway re-exposes per instance, and
+a step's ``metrics_delta`` holds what each instance did during the step:
+
+- prefill: prefill's ``vllm:time_to_first_token_seconds`` (arrival at the prefill server →
+  its one token: scheduling and the forward pass) per request → ``prefill_flops``;
+- decode step: decode's ``vllm:inter_token_latency_seconds`` per token at its mean batch
+  (``vllm:iteration_tokens_total`` per iteration) → the decode step the simulator derives
+  from ``decode_hbm_bytes_per_s``;
+- the pull: decode asks prefill's NIXL agent for the blocks (UCX over TCP) after the gateway
+  hands it the KV parameters. How many round trips of the link that costs is NIXL's and UCX's
+  protocol (a read request, the data in TCP windows that may have shrunk while the
+  connection idled, the scheduler's next step noticing), not pdx's, so it is calibrated once,
+  on the run's first step that shipped KV: ``link_round_trips`` = (its transfer p50 − its bytes
+  at the probed goodput − one decode step) / its probed RTT. Every other step is predicted.
+
+vLLM's ``transfer_ms`` is the gateway's decode call → decode's first token, so the predicted
+figure is the same span: the transfer's start → the first token (``first_token_from:
+decode``); the gateway sits in the decode site, so the prefill call and its answer cross the
+link first (``prefill_over_link``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdx.accept.metrics import split_key
+
+
+def _mean(delta: dict[str, float], name: str, role: str) -> float | None:
+    """Mean of a histogram over the instances of one role during the step (sum / count)."""
+    total = count = 0.0
+    for key, value in delta.items():
+        sample, labels = split_key(key)
+        if not labels.get("pdx_instance", "").startswith(role):
+            continue
+        if sample == name + "_sum":
+            total += value
+        elif sample == name + "_count":
+            count += value
+    return total / count if count > 0 else None
+
+
+def engine_compute(
+    steps: list[tuple[Any, Any]], model: dict[str, Any]
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """``prefill_flops`` and ``decode_hbm_bytes_per_s`` from vLLM's own timings: the median
+    over the steps (``(step, report)`` pairs) that have them, and how each was derived."""
+    params, weights, kv_tok = (
+        model["model_params"],
+        model["weight_bytes"],
+        model["kv_bytes_per_token"],
+    )
+    flops: list[float] = []
+    hbm: list[float] = []
+    for step, report in steps:
+        delta = report.metrics_delta or {}
+        prefill_s = _mean(delta, "vllm:time_to_first_token_seconds", "prefill")
+        if prefill_s:
+            flops.append(2 * params * step.input_tokens / prefill_s)
+        itl_s = _mean(delta, "vllm:inter_token_latency_seconds", "decode")
+        # decode's mean batch: the tokens of its iterations / the iterations
+        batch = _mean(delta, "vllm:iteration_tokens_total", "decode") or 1.0
+        if itl_s:
+            hbm.append((weights + max(1.0, batch) * step.input_tokens * kv_tok) / itl_s)
+    fields: dict[str, Any] = {"prefill_fixed_s": 0.0}
+    fits: list[dict[str, Any]] = []
+    how_prefill = "2 x params x prompt / prefill's vllm:time_to_first_token_seconds mean"
+    how_decode = (
+        "(weights + mean batch x prompt KV) / decode's vllm:inter_token_latency_seconds mean"
+    )
+    for name, values, how in (
+        ("prefill_flops", flops, how_prefill),
+        ("decode_hbm_bytes_per_s", hbm, how_decode),
+    ):
+        if values:
+            values.sort()
+            fields[name] = values[len(values) // 2]
+            fits.append({"param": name, "value": fields[name], "source": how + ", median over "
+                         "steps", "points": len(values), "max_error_pct": None})  # fmt: skip
+    return fields, fits
+
+
+def pull_round_trips(
+    step: Any, report: Any, link: dict[str, Any], goodput_bps: float | None, model: dict[str, Any]
+) -> float | None:
+    """Round trips of one vLLM pull, from a step that shipped KV over a measured link."""
+    xfer = (report.summary.get("transfer_ms") or {}).get("p50")
+    rtt_ms = link.get("rtt_p50_ms")
+    itl_s = _mean(report.metrics_delta or {}, "vllm:inter_token_latency_seconds", "decode")
+    if not xfer or not rtt_ms or not goodput_bps or itl_s is None:
+        return None
+    wire_s = step.input_tokens * model["kv_bytes_per_token"] * 8 / goodput_bps
+    left_ms = float(xfer) - wire_s * 1e3 - itl_s * 1e3
+    return max(0.0, left_ms / float(rtt_ms))
