@@ -12,9 +12,11 @@ a step's ``metrics_delta`` holds what each instance did during the step:
 - the pull: decode asks prefill's NIXL agent for the blocks (UCX over TCP) after the gateway
   hands it the KV parameters. How many round trips of the link that costs is NIXL's and UCX's
   protocol (a read request, the data in TCP windows that may have shrunk while the
-  connection idled, the scheduler's next step noticing), not pdx's, so it is calibrated once,
-  on the run's first step that shipped KV: ``link_round_trips`` = (its transfer p50 − its bytes
-  at the probed goodput − one decode step) / its probed RTT. Every other step is predicted.
+  connection idled, decode noticing the pull is done on its next poll), not pdx's: it is
+  calibrated on the run's *clean* steps (no loss, no cut, no kill, no events), a line through
+  (probed RTT, transfer p50 − the bytes at the probed goodput − one decode step): its slope is
+  ``link_round_trips``, its intercept ``link_fixed_s``. Those steps' transfer figures are
+  fitted, not predicted; the lossy and faulted steps, and every TTFT and TPOT, are predicted.
 
 vLLM's ``transfer_ms`` is the gateway's decode call → decode's first token, so the predicted
 figure is the same span: the transfer's start → the first token (``first_token_from:
@@ -83,15 +85,33 @@ def engine_compute(
     return fields, fits
 
 
-def pull_round_trips(
+def pull_point(
     step: Any, report: Any, link: dict[str, Any], goodput_bps: float | None, model: dict[str, Any]
-) -> float | None:
-    """Round trips of one vLLM pull, from a step that shipped KV over a measured link."""
+) -> tuple[float, float] | None:
+    """(probed RTT p50 s, the pull's own time s) of a step that shipped KV over a measured
+    link: its transfer p50 less the KV's bytes at the probed goodput and one decode step."""
     xfer = (report.summary.get("transfer_ms") or {}).get("p50")
     rtt_ms = link.get("rtt_p50_ms")
     itl_s = _mean(report.metrics_delta or {}, "vllm:inter_token_latency_seconds", "decode")
     if not xfer or not rtt_ms or not goodput_bps or itl_s is None:
         return None
     wire_s = step.input_tokens * model["kv_bytes_per_token"] * 8 / goodput_bps
-    left_ms = float(xfer) - wire_s * 1e3 - itl_s * 1e3
-    return max(0.0, left_ms / float(rtt_ms))
+    return float(rtt_ms) / 1e3, max(0.0, float(xfer) / 1e3 - wire_s - itl_s)
+
+
+def pull_fit(points: list[tuple[float, float]]) -> tuple[float, float] | None:
+    """``(link_round_trips, link_fixed_s)``: a least-squares line through (RTT, pull time) of
+    steps at RTTs at least 1.5x apart, both kept >= 0; from one RTT only the round trips (no
+    fixed part can be told apart from them). None without a point."""
+    if not points:
+        return None
+    rtts = [r for r, _ in points]
+    if max(rtts) < 1.5 * min(rtts):
+        r = sum(rtts) / len(rtts)
+        t = sum(v for _, v in points) / len(points)
+        return (t / r if r > 0 else 0.0), 0.0
+    n = len(points)
+    mr, mt = sum(rtts) / n, sum(v for _, v in points) / n
+    slope = sum((r - mr) * (v - mt) for r, v in points) / sum((r - mr) ** 2 for r in rtts)
+    slope = max(0.0, slope)
+    return slope, max(0.0, mt - slope * mr)

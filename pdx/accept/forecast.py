@@ -76,7 +76,9 @@ def predict_run(
     model = model_fields({"preflight": {"measure_kv": kv}, "name": pb.name})
     facts = deploy_facts(pb, playbook_dir)
     baseline = preflight.get("probe_link")
-    engine = _EngineCalibration(steps, model, baseline, facts) if facts.engine == "vllm" else None
+    engine = (
+        _EngineCalibration(pb, steps, model, baseline, facts) if facts.engine == "vllm" else None
+    )
     if engine is not None:
         compute, fits = engine.compute, engine.fits
     else:
@@ -97,7 +99,7 @@ def predict_run(
         pred = predict_step(fields, records, link_from, conf, tol)
         pred.model["compute_from"] = compute_from
         if engine is not None:
-            pred.model["pull_round_trips_from"] = engine.round_trips_from
+            pred.model["pull_fitted_on"] = engine.fitted_on
         report.prediction, report.unexplained = pred.figures, pred.unexplained
         report.prediction_model = pred.model
         done.append((step.id, pred))
@@ -129,35 +131,41 @@ def predict_run(
 
 
 class _EngineCalibration:
-    """``engine: vllm``: compute from vLLM's own timings, the pull's round trips from the
-    run's first step that shipped KV (:mod:`pdx.accept.engine_calibrate`)."""
+    """``engine: vllm``: compute from vLLM's own timings, the pull's round trips and fixed
+    time from the run's clean steps (:mod:`pdx.accept.engine_calibrate`)."""
 
     def __init__(
         self,
+        pb: Playbook,
         steps: list[tuple[Step, StepReport, list[dict[str, Any]]]],
         model: dict[str, Any],
         baseline: dict[str, Any] | None,
         facts: Any,
     ) -> None:
-        from pdx.accept.engine_calibrate import engine_compute, pull_round_trips
+        from pdx.accept.engine_calibrate import engine_compute, pull_fit, pull_point
         from pdx.accept.prediction import goodput_bps
 
         self.model = model
         self.compute, self.fits = engine_compute([(s, r) for s, r, _ in steps], model)
-        self.round_trips: float | None = None
-        self.round_trips_from: str | None = None
+        points: list[tuple[float, float]] = []
+        self.fitted_on: list[str] = []
         for step, report, _ in steps:
+            if not _clean(pb.conditions[step.network]):
+                continue
             link, _from = _link(report, baseline)
-            rt = pull_round_trips(step, report, link, goodput_bps(link, facts.kv_streams), model)
-            if rt is not None:
-                self.round_trips, self.round_trips_from = rt, step.id
-                how = (
-                    f"vLLM's pull on {step.id}: (transfer p50 - wire time - one decode step) "
-                    "/ probed RTT p50"
-                )
-                self.fits.append({"param": "link_round_trips", "value": rt, "source": how,
-                                  "points": 1, "max_error_pct": None})  # fmt: skip
-                break
+            point = pull_point(step, report, link, goodput_bps(link, facts.kv_streams), model)
+            if point is not None:
+                points.append(point)
+                self.fitted_on.append(step.id)
+        self.pull = pull_fit(points)
+        if self.pull is not None:
+            how = (
+                "vLLM's pulls: a line through (probed RTT p50, transfer p50 - wire time - one "
+                f"decode step) of the clean steps {', '.join(self.fitted_on)}"
+            )
+            for name, value in zip(("link_round_trips", "link_fixed_s"), self.pull, strict=True):
+                self.fits.append({"param": name, "value": value, "source": how,
+                                  "points": len(points), "max_error_pct": None})  # fmt: skip
 
     def step_compute(self, step: Step, report: StepReport) -> tuple[dict[str, Any], str]:
         from pdx.accept.engine_calibrate import engine_compute
@@ -169,6 +177,12 @@ class _EngineCalibration:
 
     def pull_fields(self) -> dict[str, Any]:
         out: dict[str, Any] = {"first_token_from": "decode", "prefill_over_link": True}
-        if self.round_trips is not None:
-            out["link_round_trips"] = self.round_trips
+        if self.pull is not None:
+            out["link_round_trips"], out["link_fixed_s"] = self.pull
         return out
+
+
+def _clean(c: Any) -> bool:
+    """A condition with nothing but delay and a rate: its pulls show the link's own cost."""
+    return not (c.loss or c.wan_events or c.kill_prefill_at_s is not None
+                or c.link_down_at_s is not None or c.jitter_ms)  # fmt: skip

@@ -75,6 +75,12 @@ class SimConfig(BaseModel):
     link_round_trips: float = Field(
         1.0, ge=0, description="round trips of link_rtt_s each transfer waits (request, lookups)"
     )
+    link_fixed_s: float = Field(
+        0.0,
+        ge=0,
+        description="fixed time every transfer takes on top of its round trips and bytes "
+        "(posting it, the receiver noticing it is done on its next poll)",
+    )
     link_loss_recovery: Literal["stall", "pipelined"] = Field(
         "stall",
         description="stall: every round trip's worth of data that saw a loss costs one more "

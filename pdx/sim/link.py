@@ -42,6 +42,7 @@ class LinkModel:
         self.jitter_s = cfg.link_jitter_s
         self.mss = cfg.link_mss_bytes
         self.round_trips = cfg.link_round_trips
+        self.fixed_s = cfg.link_fixed_s
         self.pipelined = cfg.link_loss_recovery == "pipelined"
         enc, dec = cfg.codec_encode_bytes_per_s, cfg.codec_decode_bytes_per_s
         self.encode_s_per_byte = 1.0 / enc if enc else 0.0
@@ -54,7 +55,7 @@ class LinkModel:
         raw = prompt_tokens * self.kv_bytes_per_token
         wire = raw * self.ratio
         busy = wire / self.bw
-        extra = self.rtt_s * self.round_trips
+        extra = self.rtt_s * self.round_trips + self.fixed_s
         if self.random:
             extra += self._random_delay(wire, busy)
             if self.loss > 0 and not self.pipelined:

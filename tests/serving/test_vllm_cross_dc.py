@@ -104,7 +104,7 @@ def test_vllm_kv_crosses_the_wan(tmp_path: Path) -> None:
         # the simulator beside the step, calibrated on vLLM's own prefill and decode timings
         pred = s["prediction"]
         assert pred and pred["transfer_p50_ms"]["predicted"] > 0, s["prediction_model"]
-        assert s["prediction_model"]["pull_round_trips_from"] == steps["wan40"]["id"]
+        assert s["prediction_model"]["pull_fitted_on"] == [steps["wan40"]["id"]]
     cut = steps["wan40-cut"]
     assert any("router hop: cut for 3 s" in e["event"] for e in cut["fault_events"])
     s = cut["summary"]
