@@ -126,6 +126,8 @@ def predict_run(
     )
     settings = {k: Recommendation(**v) for k, v in advice.recommend(run).items()}
     summary = run_summary(done, tol, fits)
+    if engine is not None:
+        summary["pull_fitted_on"] = engine.fitted_on
     summary["facts"] = asdict(facts)
     return settings, summary
 

@@ -150,6 +150,7 @@ def prediction_rows(report: Report, short: bool = False) -> list[list[str]]:
     """One row per step and predicted metric."""
     rows = []
     for s in report.steps:
+        fitted = s.id in ((s.prediction_model or {}).get("pull_fitted_on") or [])
         for metric, e in (s.prediction or {}).items():
             lo, hi = e.get("interval") or (None, None)
             interval = "—" if e.get("interval") is None else (
@@ -166,7 +167,8 @@ def prediction_rows(report: Report, short: bool = False) -> list[list[str]]:
                     "—" if err is None else f"{err:+.1f} %",
                     interval,
                     str(e.get("n", "—")),
-                    _RESULT_WORD.get(str(e.get("result")), str(e.get("result"))),
+                    _RESULT_WORD.get(str(e.get("result")), str(e.get("result")))
+                    + (" (fitted)" if fitted and metric == "transfer_p50_ms" else ""),
                 ]
             )
     return rows
@@ -185,7 +187,15 @@ def prediction_line(report: Report) -> str:
         f"(measured − predicted) / predicted; a figure is BEYOND when its whole interval lies "
         f"outside ±{tol:g} % of the prediction, within when it lies inside, undecided "
         f"otherwise. {ps.get('unexplained', 0)} of {ps.get('predicted', 0)} predicted steps "
-        f"unexplained ({where})." + (f" Not predicted: {missing}." if missing else "")
+        f"unexplained ({where})."
+        + (f" Not predicted: {missing}." if missing else "")
+        + (
+            " vLLM's pull (round trips and fixed time) is fitted on the clean steps "
+            f"{', '.join(ps['pull_fitted_on'])}: their transfer_p50_ms is a fit, not a "
+            "prediction."
+            if ps.get("pull_fitted_on")
+            else ""
+        )
     )
 
 
