@@ -5,11 +5,15 @@ over UCX/TCP) and, on the same two instances, ``vllm-router --vllm-pd-disaggrega
 --kv-connector nixl`` (vllm-router 0.1.17, installed into .venv-vllm by ``make vllm``).
 In one run:
 
-1. latency, one request at a time, the fronts interleaved (unique prompts, streamed): TTFT
-   and TPOT = (E2E − TTFT) / (tokens − 1) from the client, for ``direct`` (decode alone
-   computes the prompt: one instance, no P/D), ``two-step`` (the benchmark itself runs the
-   two-step protocol against the instances: P/D with no proxy), ``pdx`` and ``vllm-router``;
-   the overhead of each proxy is its median against ``two-step``;
+1. latency, one request at a time, the fronts interleaved in an order that alternates by round
+   (unique prompts, streamed): TTFT (median and p99) and TPOT = (E2E − TTFT) / (tokens − 1)
+   from the client, for ``direct`` (decode alone computes the prompt: one instance, no P/D),
+   ``two-step`` (the benchmark itself runs the two-step protocol against the instances as pdx
+   sends it: P/D with no proxy), ``two-step-doc`` (the same, with the requests vLLM's
+   documentation and toy proxy send: no ``ignore_eos`` on the prefill request, the remote
+   fields spelled out empty), ``pdx`` and ``vllm-router``; the overhead of each is its median
+   (and p99) against ``two-step``, and the median of its per-round differences from
+   ``two-step`` with a 90 % interval (the two one-sided 95 % order-statistic bounds);
 2. throughput: ``--users`` closed-loop users for ``--load-s`` through each front;
 3. prefill killed mid-run (SIGKILL to its process group, the deploy restarts it): an
    open-loop load (``--kill-rps``) for ``--kill-window-s`` through each front in turn (open
@@ -25,7 +29,8 @@ instances and decode's NIXL counter rising, through neither front); a kill that 
 prefill process stops the phase instead of being reported as a kill.
 
     python benchmarks/bench_router.py [--requests 20] [--prompt-tokens 300] [--max-tokens 32]
-        [--users 4] [--load-s 20] [--kill-window-s 120] [--kill-rps 4] [--json]
+        [--users 4] [--load-s 20] [--kill-window-s 120] [--kill-rps 4]
+        [--phases latency,throughput,kill] [--json]
 """
 
 from __future__ import annotations
@@ -78,11 +83,11 @@ class Pair:
 
 
 @contextlib.contextmanager
-def pair(work: Path) -> Iterator[Pair]:
+def pair(work: Path, extra: list[str] | None = None) -> Iterator[Pair]:
     """Start ``pdx deploy --set engine=vllm --json``; SIGTERM it (and so the pair) at the end."""
     out = work / "endpoints.json"
     args = [sys.executable, "-m", "pdx", "deploy", "--json"]
-    for item in BASE:
+    for item in [*BASE, *(extra or [])]:
         args += ["--set", item]
     with out.open("wb") as stdout, (work / "deploy.log").open("ab") as log:
         proc = subprocess.Popen(args, stdout=stdout, stderr=log, start_new_session=True)
@@ -196,6 +201,32 @@ async def two_step(
     return out
 
 
+# vLLM's documented P/D request (its toy proxy's prefill body): no ignore_eos, the remote
+# fields spelled out empty. A client written from vLLM's docs sends this.
+DOC_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
+              "remote_block_ids": None, "remote_host": None, "remote_port": None}  # fmt: skip
+
+
+async def two_step_doc(
+    s: aiohttp.ClientSession, prefill: str, decode: str, body: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """The two-step protocol as vLLM documents it (its toy proxy's requests), by the client."""
+    t0 = time.perf_counter()
+    first = {k: v for k, v in body.items() if k != "ignore_eos"}
+    first.update(max_tokens=1, stream=False, kv_transfer_params=dict(DOC_PARAMS))
+    async with s.post(prefill + "/v1/completions", json=first) as r:
+        reply = await r.json()
+    params = reply.get("kv_transfer_params")
+    prefill_s = time.perf_counter() - t0
+    out = await stream(s, decode, {**body, "kv_transfer_params": params}, timeout_s)
+    out["e2e_s"] += prefill_s
+    if out.get("ttft_s") is not None:
+        out["ttft_s"] += prefill_s
+    out["prefill_finish"] = ((reply.get("choices") or [{}])[0]).get("finish_reason")
+    out["kv_params"] = params is not None
+    return out
+
+
 def _tpot_ms(r: dict[str, Any]) -> float | None:
     if not r.get("ok") or r.get("tokens", 0) < 2:
         return None
@@ -206,10 +237,12 @@ async def latency(
     fronts: dict[str, str], urls: dict[str, str], model: str, args: Any
 ) -> dict[str, Any]:
     """One request at a time, the fronts interleaved, after a warm-up round."""
-    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in ["direct", "two-step", *fronts]}
+    names = ["direct", "two-step", "two-step-doc", *fronts]
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     async with aiohttp.ClientSession() as s:
         for rnd in range(args.requests + 2):
-            for name in rows:
+            # the order alternates by round, so no client always follows the same one
+            for name in names if rnd % 2 == 0 else names[::-1]:
                 body = {"model": model, "prompt": prompt(args.prompt_tokens),
                         "max_tokens": args.max_tokens, "temperature": 0, "ignore_eos": True,
                         "return_token_ids": True}  # fmt: skip
@@ -217,6 +250,8 @@ async def latency(
                     r = await stream(s, urls["decode"], body, 60)
                 elif name == "two-step":
                     r = await two_step(s, urls["prefill"], urls["decode"], body, 60)
+                elif name == "two-step-doc":
+                    r = await two_step_doc(s, urls["prefill"], urls["decode"], body, 60)
                 else:
                     extra = {"pdx_route": "disaggregated"} if name == "pdx" else {}
                     r = await stream(s, fronts[name], {**body, **extra}, 60)
@@ -229,13 +264,50 @@ async def latency(
         tpot = [t for r in ok if (t := _tpot_ms(r)) is not None]
         out[name] = {"n": len(rs), "failed": len(rs) - len(ok),
                      "ttft_ms": round(statistics.median(ttft), 2) if ttft else None,
+                     "ttft_p99_ms": round(_p(ttft, 0.99), 2) if ttft else None,
                      "tpot_ms": round(statistics.median(tpot), 3) if tpot else None}  # fmt: skip
+        finishes = [r.get("prefill_finish") for r in rs if "prefill_finish" in r]
+        if finishes:
+            out[name]["prefill_finish"] = {f: finishes.count(f) for f in set(finishes)}
+            out[name]["kv_params_returned"] = sum(1 for r in rs if r.get("kv_params"))
     base = out["two-step"]
-    for name in fronts:
+    for name in ["two-step-doc", *fronts]:
+        paired = _paired(rows[name], rows["two-step"])
+        if paired is not None:
+            out[name]["ttft_paired_overhead_ms"] = paired
         if out[name]["ttft_ms"] is not None and base["ttft_ms"] is not None:
             out[name]["ttft_overhead_ms"] = round(out[name]["ttft_ms"] - base["ttft_ms"], 2)
+            out[name]["ttft_p99_overhead_ms"] = round(
+                out[name]["ttft_p99_ms"] - base["ttft_p99_ms"], 2
+            )
             out[name]["tpot_overhead_ms"] = round(out[name]["tpot_ms"] - base["tpot_ms"], 3)
     return out
+
+
+def _paired(front: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float] | None:
+    """Median of the per-round TTFT differences (front − two-step, the same round: the box's
+    drift hits both alike) with its distribution-free 90 % interval (order statistics of the
+    differences: a sign-test interval), in ms."""
+    from pdx.accept import confidence as ci
+
+    diffs = sorted(
+        (f["ttft_s"] - b["ttft_s"]) * 1e3
+        for f, b in zip(front, base, strict=True)
+        if f.get("ok") and b.get("ok")
+    )
+    if len(diffs) < 5:
+        return None
+    b = ci.quantile_bounds(diffs, 0.5, 0.95)
+    lo, hi = b.low, b.high
+    return {"median": round(statistics.median(diffs), 2),
+            "low": None if lo is None else round(lo, 2),
+            "high": None if hi is None else round(hi, 2), "n": len(diffs)}  # fmt: skip
+
+
+def _p(values: list[float], q: float) -> float:
+    """The q-quantile (nearest rank) of a non-empty list."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, int(q * len(ordered) + 0.999999) - 1))]
 
 
 async def closed_loop(
@@ -370,43 +442,65 @@ def main() -> None:
     ap.add_argument("--kill-window-s", type=float, default=120.0)
     ap.add_argument("--kill-rps", type=float, default=4.0, help="open-loop rate of that phase")
     ap.add_argument("--hang-s", type=float, default=30.0, help="a request past this has hung")
+    ap.add_argument(
+        "--phases",
+        default="latency,throughput,kill",
+        help="which phases, comma-separated (latency, throughput, kill)",
+    )
+    ap.add_argument(
+        "--set",
+        dest="sets",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="more pdx deploy settings for the pair (e.g. vllm.shm_recheck_ms=1)",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    phases = set(args.phases.split(","))
     if not _engine_available():
         return
     # SIGTERM (timeout, CI) unwinds like Ctrl-C, so the pair's processes are stopped.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))
-    with pair(work) as dep:
+    with pair(work, args.sets) as dep:
         ep = dep.endpoints
         urls = {"prefill": ep["prefill"][0]["url"], "decode": ep["decode"][0]["url"]}
         model = str(ep["model"]["model"])
         with vllm_router(urls["prefill"], urls["decode"], work / "router.log") as vr:
             fronts = {"pdx": str(ep["gateway"]), **({"vllm-router": vr} if vr else {})}
             extras = {"pdx": {"pdx_route": "disaggregated"}, "vllm-router": {}}
-            report["latency"] = asyncio.run(latency(fronts, urls, model, args))
-            _print(args, "latency (medians, one request at a time)", report["latency"])
+            if "latency" in phases:
+                report["latency"] = asyncio.run(latency(fronts, urls, model, args))
+                _print(args, "latency (medians, one request at a time)", report["latency"])
+            if not phases & {"throughput", "kill"}:
+                return _done(args, report)
             # Each later phase takes the fronts in the other order, so neither always runs
             # second (after the other's load, or after an earlier kill and restart).
             order = list(fronts)
             report["order"] = {"throughput": order, "prefill_killed": order[::-1]}
-            report["throughput"] = {
-                name: throughput(asyncio.run(closed_loop(fronts[name], model, args.users,
-                                                         args.load_s, args, extras[name])),
-                                 args.load_s)
-                for name in order
-            }  # fmt: skip
-            _print(
-                args, f"throughput ({args.users} users, {args.load_s:g} s)", report["throughput"]
-            )
+            if "throughput" in phases:
+                report["throughput"] = {
+                    name: throughput(asyncio.run(closed_loop(fronts[name], model, args.users,
+                                                             args.load_s, args, extras[name])),
+                                     args.load_s)
+                    for name in order
+                }  # fmt: skip
+                title = f"throughput ({args.users} users, {args.load_s:g} s)"
+                _print(args, title, report["throughput"])
             report["prefill_killed"] = {}
-            for name in order[::-1]:
+            for name in order[::-1] if "kill" in phases else []:
                 asyncio.run(wait_pd_back(urls, model))
                 report["prefill_killed"][name] = asyncio.run(
                     kill_run(dep, fronts[name], model, extras[name], args)
                 )
-            _print(args, "prefill SIGKILLed 3 s into the run", report["prefill_killed"])
+            if "kill" in phases:
+                _print(args, "prefill SIGKILLed 3 s into the run", report["prefill_killed"])
+    _done(args, report)
+
+
+def _done(args: Any, report: dict[str, Any]) -> None:
     if args.json:
         json.dump(report, sys.stdout, indent=2)
 

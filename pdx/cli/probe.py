@@ -317,6 +317,14 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     if rec:
         sets = " ".join(f"--set {k}={v}" for k, v in rec["set"].items())
         console.print(f"recommended for pdx deploy ({rec['why']}): {sets}", soft_wrap=True)
+        if rec.get("vllm"):
+            from pdx.link.vllm_advice import vllm_block
+
+            console.print("recommended for vLLM (NIXL over UCX/TCP) on this link, both sites:",
+                          soft_wrap=True)  # fmt: skip
+            console.print(vllm_block(rec["vllm"]), soft_wrap=True, markup=False, highlight=False)
+            for line in rec["vllm"]["why"]:
+                console.print(f"  - {line}", soft_wrap=True, markup=False, highlight=False)
     if report["chunks"]:
         console.print(_chunk_table(report))
     console.print(_verdict_table(report["verdict"]))

@@ -450,4 +450,11 @@ def recommend(report: dict[str, Any]) -> dict[str, Any] | None:
             sysctls[f"{cap['end']} {cap['sysctl']}"] = f"4096 131072 {cap['would_not_cap_bytes']}"
     why = (f"one stream reaches {one:.3f} of {best:.3f} Gbit/s (its window is capped)"
            if one else "one stream fills the link")  # fmt: skip
-    return {"set": sets, "sysctl": sysctls, "why": why}
+    from pdx.errors import PdxError
+    from pdx.link.vllm_advice import vllm_settings
+
+    try:
+        peer: str | None = parse_target(str(report.get("target") or ""))[0]
+    except PdxError:  # a report without a usable target: no interface to name
+        peer = None
+    return {"set": sets, "sysctl": sysctls, "why": why, "vllm": vllm_settings(report, peer)}

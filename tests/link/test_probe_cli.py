@@ -94,6 +94,12 @@ def test_go_exits_0_with_the_documented_json(probe_server: ProbeServer) -> None:
     assert report["verdict"]["go"] is True and report["verdict"]["result"] == "GO"
     assert [r["status"] for r in report["verdict"]["rules"]] == ["pass"] * 4
     assert report["verdict"]["judged"] == ["kv_bandwidth", "rtt", "loss", "chunk_p99"]
+    # what to set for vLLM's NIXL on this link: UCX's buffers sized from it, the host cap that
+    # lets UCX set them, the interface toward the peer (loopback here)
+    vllm = report["recommendations"]["vllm"]
+    assert vllm["env"]["UCX_TCP_SNDBUF"] == vllm["sysctl"]["net.core.wmem_max"]
+    assert vllm["env"]["UCX_NET_DEVICES"] == "lo"
+    assert vllm["sysctl"]["net.ipv4.tcp_slow_start_after_idle"] == "0"
 
 
 def test_no_go_exits_1_and_names_the_failing_rule(probe_server: ProbeServer) -> None:
