@@ -22,12 +22,15 @@ def _exposition(prefill: float, decode: float = 0.5) -> str:
     )
 
 
-async def _metrics_server(free_at: float | None) -> tuple[web.AppRunner, str]:
-    """/metrics: prefill holds 3 % of its cache until ``free_at`` (wall time), then 0."""
+async def _metrics_server(
+    free_at: float | None, text: str | None = None
+) -> tuple[web.AppRunner, str]:
+    """/metrics: prefill holds 3 % of its cache until ``free_at`` (wall time), then 0 (or
+    always ``text``)."""
 
     async def metrics(_: web.Request) -> web.Response:
         held = free_at is None or time.time() < free_at
-        return web.Response(text=_exposition(0.03 if held else 0.0))
+        return web.Response(text=text or _exposition(0.03 if held else 0.0))
 
     app = web.Application()
     app.router.add_get("/metrics", metrics)
@@ -97,16 +100,8 @@ async def test_kv_never_freed_stops_at_the_bound_and_fails() -> None:
 
 
 async def test_no_prefill_series_is_not_measured_with_the_reason() -> None:
-    async def metrics(_: web.Request) -> web.Response:
-        return web.Response(text="# TYPE pdx_requests_total counter\npdx_requests_total 1\n")
-
-    app = web.Application()
-    app.router.add_get("/metrics", metrics)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}/metrics"
+    no_engine = "# TYPE pdx_requests_total counter\npdx_requests_total 1\n"
+    runner, url = await _metrics_server(None, no_engine)
     try:
         why = await watch_prefill_kv(url, _rows(time.time()), bound_s=0.3, shipped=2, poll_s=0.1)
     finally:

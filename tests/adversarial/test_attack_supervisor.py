@@ -8,7 +8,6 @@ command with its child processes, watched through the gateway's /readyz and /met
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 import os
 import re
@@ -21,6 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from live_deploy import read_endpoints
 
 pytestmark = pytest.mark.slow
 
@@ -40,23 +40,6 @@ def start_deploy(log: Path) -> subprocess.Popen[str]:
         return subprocess.Popen(
             cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True
         )
-
-
-def read_endpoints(proc: subprocess.Popen[str], timeout_s: float = 180) -> dict[str, Any]:
-    """The JSON document ``pdx deploy --json`` prints once ready."""
-    assert proc.stdout is not None
-    deadline, text = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"pdx deploy exited early with {proc.wait()}")
-        text += line
-        try:
-            data: dict[str, Any] = json.loads(text)
-            return data
-        except json.JSONDecodeError:
-            continue
-    raise AssertionError("pdx deploy not ready in time")
 
 
 def child_pids(work_dir: str, role: str) -> list[int]:
@@ -141,7 +124,7 @@ async def test_m4_a_decode_crash_loop_backs_off_and_never_ends_the_deployment(
     proc = start_deploy(log)
     try:
         t_start = time.monotonic()
-        ep = await asyncio.to_thread(read_endpoints, proc)
+        ep = await asyncio.to_thread(read_endpoints, proc, 180)
         url, work_dir = ep["gateway"], ep["work_dir"]
         startup_s = time.monotonic() - t_start
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as s:

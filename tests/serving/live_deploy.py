@@ -1,4 +1,5 @@
-"""A real deployment (prefill and decode child processes) serving from a thread of its own.
+"""A real deployment (prefill and decode child processes) serving from a thread of its own,
+and the ready document of a ``pdx deploy --json`` command.
 
 For tests whose clients block (the openai SDK, subprocesses such as schemathesis): the
 deployment's event loop keeps running in a worker thread while the test calls it.
@@ -8,8 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
+import subprocess
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from pdx.serving.deploy_config import load_deploy_config
 from pdx.serving.supervisor import Deployment
@@ -34,3 +39,20 @@ def live_deployment(overrides: list[str]) -> Iterator[Deployment]:
         loop.run_until_complete(dep.stop())
         loop.close()
         runner.shutdown()
+
+
+def read_endpoints(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
+    """The JSON document ``pdx deploy --json`` prints once ready."""
+    assert proc.stdout is not None
+    deadline, text = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise AssertionError(f"pdx deploy exited early with {proc.wait()}")
+        text += line
+        try:
+            data: dict[str, Any] = json.loads(text)
+            return data
+        except json.JSONDecodeError:
+            continue
+    raise AssertionError("pdx deploy not ready in time")

@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
+from live_deploy import read_endpoints
 from typer.testing import CliRunner
 
 from pdx.cli.main import app
@@ -92,23 +93,6 @@ def test_embedded_default_is_the_documented_pair() -> None:
 
 
 # --- the real command -------------------------------------------------------------------
-
-
-def read_endpoints(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[str, Any]:
-    """Read the JSON document ``pdx deploy --json`` prints once ready."""
-    assert proc.stdout is not None
-    deadline, text = time.monotonic() + timeout_s, ""
-    while time.monotonic() < deadline:
-        line = proc.stdout.readline()
-        if not line:
-            raise AssertionError(f"pdx deploy exited early with {proc.wait()}")
-        text += line
-        try:
-            data: dict[str, Any] = json.loads(text)
-            return data
-        except json.JSONDecodeError:
-            continue
-    raise AssertionError("pdx deploy not ready in time")
 
 
 def alive(pid: int) -> bool:
