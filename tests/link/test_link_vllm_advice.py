@@ -1,5 +1,5 @@
-"""The ``vllm:`` block probe-link prints: UCX's socket buffers from the path's BDP, the host
-limits that let UCX set them, slow start after idle off, BBR on long or lossy paths."""
+"""The ``vllm:`` block probe-link prints: the kernel's buffer caps from the path's BDP, BBR on
+long or lossy paths (slow start after idle off where it is not), UCX's interface."""
 
 from __future__ import annotations
 
@@ -20,15 +20,17 @@ def _report(gbps: float, rtt_ms: float, loss_pct: float = 0.0) -> dict[str, Any]
 def test_buffers_follow_the_bdp_and_the_host_cap_follows_them() -> None:
     s = vllm_settings(_report(10.0, 40.0))
     assert s is not None
-    want = window_for(int(10e9 / 8 * 0.040))  # 50 MB in flight: 100 MiB buffers
-    assert s["env"]["UCX_TCP_SNDBUF"] == s["env"]["UCX_TCP_RCVBUF"] == str(want)
-    assert s["sysctl"]["net.core.wmem_max"] == s["sysctl"]["net.core.rmem_max"] == str(want)
+    want = window_for(int(10e9 / 8 * 0.040))  # 50 MB in flight: 96 MiB buffers
+    assert s["sysctl"]["net.ipv4.tcp_wmem"] == f"4096 16384 {want}"
+    assert s["sysctl"]["net.ipv4.tcp_rmem"] == f"4096 131072 {want}"
     assert s["sysctl"]["net.ipv4.tcp_congestion_control"] == "bbr"  # a 40 ms path
+    assert "net.ipv4.tcp_slow_start_after_idle" not in s["sysctl"]  # BBR is exempt
 
 
 def test_short_clean_path_keeps_the_hosts_congestion_control() -> None:
     s = vllm_settings(_report(1.0, 0.2))
     assert s is not None and "net.ipv4.tcp_congestion_control" not in s["sysctl"]
+    assert s["sysctl"]["net.ipv4.tcp_slow_start_after_idle"] == "0"
     lossy = vllm_settings(_report(1.0, 0.2, loss_pct=0.1))
     assert lossy is not None and lossy["sysctl"]["net.ipv4.tcp_congestion_control"] == "bbr"
 
@@ -46,5 +48,5 @@ def test_block_is_a_vllm_env_mapping_and_one_sysctl_line() -> None:
     import yaml
 
     env = yaml.safe_load(head)["vllm"]["env"]
-    assert env["UCX_TCP_SNDBUF"] == s["env"]["UCX_TCP_SNDBUF"] and env["UCX_TLS"] == "tcp,self"
-    assert comment.startswith("# both hosts") and "tcp_slow_start_after_idle=0" in comment
+    assert env == s["env"] and env["UCX_TLS"] == "tcp,self"
+    assert comment.startswith("# both hosts") and 'net.ipv4.tcp_wmem="4096 16384 ' in comment
