@@ -410,9 +410,12 @@ async def kill_run(
             "slowest_s": round(max((r["e2e_s"] for r in after), default=0.0), 2)}  # fmt: skip
 
 
-async def wait_pd_back(urls: dict[str, str], model: str, timeout_s: float = 240) -> None:
+async def wait_pd_back(
+    urls: dict[str, str], model: str, tokens: int, timeout_s: float = 240
+) -> None:
     """Until the pair itself moves KV again (prefill restarted): a two-step request straight
-    to the instances, and decode's own NIXL counter rising, through no front at all."""
+    to the instances, and decode's own NIXL counter rising, through no front at all. The
+    prompt must hold whole KV blocks (128 tokens on CPU): decode pulls none of a shorter one."""
     t0 = time.monotonic()
     async with aiohttp.ClientSession() as s:
 
@@ -421,7 +424,7 @@ async def wait_pd_back(urls: dict[str, str], model: str, timeout_s: float = 240)
                 return float(engine_counters(await r.text())["p2p_cached_tokens"])
 
         while time.monotonic() - t0 < timeout_s:
-            body = {"model": model, "prompt": prompt(64), "max_tokens": 2}
+            body = {"model": model, "prompt": prompt(tokens), "max_tokens": 2}
             with contextlib.suppress(aiohttp.ClientError, ValueError, KeyError):
                 before = await p2p()
                 out = await two_step(s, urls["prefill"], urls["decode"], body, 30.0)
@@ -464,6 +467,17 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     report: dict[str, Any] = {}
     work = Path(tempfile.mkdtemp(prefix="bench-router-"))
+    try:
+        _phases(args, phases, report, work)
+    except Exception as exc:  # what was measured before still counts, with the failure
+        report["failed"] = f"{type(exc).__name__}: {exc}"
+        print(f"stopped: {report['failed']}", file=sys.stderr)
+        _done(args, report)
+        raise SystemExit(1) from None
+    _done(args, report)
+
+
+def _phases(args: Any, phases: set[str], report: dict[str, Any], work: Path) -> None:
     with pair(work, args.sets) as dep:
         ep = dep.endpoints
         urls = {"prefill": ep["prefill"][0]["url"], "decode": ep["decode"][0]["url"]}
@@ -475,7 +489,7 @@ def main() -> None:
                 report["latency"] = asyncio.run(latency(fronts, urls, model, args))
                 _print(args, "latency (medians, one request at a time)", report["latency"])
             if not phases & {"throughput", "kill"}:
-                return _done(args, report)
+                return
             # Each later phase takes the fronts in the other order, so neither always runs
             # second (after the other's load, or after an earlier kill and restart).
             order = list(fronts)
@@ -491,13 +505,12 @@ def main() -> None:
                 _print(args, title, report["throughput"])
             report["prefill_killed"] = {}
             for name in order[::-1] if "kill" in phases else []:
-                asyncio.run(wait_pd_back(urls, model))
+                asyncio.run(wait_pd_back(urls, model, args.prompt_tokens))
                 report["prefill_killed"][name] = asyncio.run(
                     kill_run(dep, fronts[name], model, extras[name], args)
                 )
             if "kill" in phases:
                 _print(args, "prefill SIGKILLed 3 s into the run", report["prefill_killed"])
-    _done(args, report)
 
 
 def _done(args: Any, report: dict[str, Any]) -> None:
