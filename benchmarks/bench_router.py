@@ -424,7 +424,9 @@ async def wait_pd_back(
                 return float(engine_counters(await r.text())["p2p_cached_tokens"])
 
         while time.monotonic() - t0 < timeout_s:
-            body = {"model": model, "prompt": prompt(tokens), "max_tokens": 2}
+            # return_token_ids: the stream reader counts tokens by their ids
+            body = {"model": model, "prompt": prompt(tokens), "max_tokens": 2,
+                    "ignore_eos": True, "return_token_ids": True}  # fmt: skip
             with contextlib.suppress(aiohttp.ClientError, ValueError, KeyError):
                 before = await p2p()
                 out = await two_step(s, urls["prefill"], urls["decode"], body, 30.0)

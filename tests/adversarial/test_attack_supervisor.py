@@ -20,7 +20,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from live_deploy import read_endpoints
+from live_deploy import pids_with, read_endpoints
 
 pytestmark = pytest.mark.slow
 
@@ -44,16 +44,7 @@ def start_deploy(log: Path) -> subprocess.Popen[str]:
 
 def child_pids(work_dir: str, role: str) -> list[int]:
     """Pids of this deployment's ``role`` processes (their command lines name both)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if work_dir.encode() in cmd and f"pdx.serving.{role}".encode() in cmd:
-                pids.append(int(entry.name))
-    return pids
+    return pids_with(work_dir, f"pdx.serving.{role}")
 
 
 async def replacement(work_dir: str, role: str, old_pid: int, timeout_s: float) -> int:

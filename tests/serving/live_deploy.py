@@ -14,6 +14,7 @@ import subprocess
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 from pdx.serving.deploy_config import load_deploy_config
@@ -56,3 +57,17 @@ def read_endpoints(proc: subprocess.Popen[str], timeout_s: float = 120) -> dict[
         except json.JSONDecodeError:
             continue
     raise AssertionError("pdx deploy not ready in time")
+
+
+def pids_with(*needles: str) -> list[int]:
+    """Pids whose command line contains every one of ``needles``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if all(n.encode() in cmd for n in needles):
+                pids.append(int(entry.name))
+    return pids

@@ -16,7 +16,7 @@ from typing import Any
 
 import aiohttp
 import pytest
-from live_deploy import read_endpoints
+from live_deploy import pids_with, read_endpoints
 from typer.testing import CliRunner
 
 from pdx.cli.main import app
@@ -105,16 +105,7 @@ def alive(pid: int) -> bool:
 
 def processes_under(work_dir: str) -> list[int]:
     """Pids whose command line names this deployment's work dir (its children)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmd = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if work_dir.encode() in cmd:
-                pids.append(int(entry.name))
-    return pids
+    return pids_with(work_dir)
 
 
 async def wait_ready(url: str, timeout_s: float) -> None:
