@@ -27,6 +27,7 @@ from typing import Any
 
 from pdx.tcp import bdp_bytes, window_for
 
+KERNEL_MAX_DEFAULT = 6 << 20  # Linux's tcp_rmem max (tcp_wmem's is 4 MiB): enough below it
 BBR_LOSS_PCT = 0.01  # any loss this large on a long path: a loss-based stream is bounded
 LONG_RTT_MS = 5.0
 
@@ -54,13 +55,16 @@ def vllm_settings(report: dict[str, Any], peer_host: str | None = None) -> dict[
     device = interface_to(peer_host) if peer_host else None
     if device:
         env["UCX_NET_DEVICES"] = device
-    sysctl = {"net.ipv4.tcp_wmem": f"4096 16384 {window}",
-              "net.ipv4.tcp_rmem": f"4096 131072 {window}"}  # fmt: skip
-    why = [
-        f"tcp_wmem/tcp_rmem max {window} B: twice the path's BDP ({rate_gbps:.3g} Gbit/s x "
-        f"{rtt_ms:.3g} ms), so no pull's window is capped (UCX leaves its sockets to the "
-        "kernel's autotuning)",
-    ]
+    sysctl: dict[str, str] = {}
+    why: list[str] = []
+    if window > KERNEL_MAX_DEFAULT:  # never advise a cap below the kernel's own defaults
+        sysctl["net.ipv4.tcp_wmem"] = f"4096 16384 {window}"
+        sysctl["net.ipv4.tcp_rmem"] = f"4096 131072 {window}"
+        why.append(
+            f"tcp_wmem/tcp_rmem max {window} B: twice the path's BDP ({rate_gbps:.3g} Gbit/s x "
+            f"{rtt_ms:.3g} ms), so no pull's window is capped (UCX leaves its sockets to the "
+            "kernel's autotuning)"
+        )
     if device:
         why.append(f"UCX_NET_DEVICES {device}: the interface this host's route to the peer uses")
     loss = report.get("loss") or {}

@@ -27,9 +27,10 @@ def test_buffers_follow_the_bdp_and_the_host_cap_follows_them() -> None:
     assert "net.ipv4.tcp_slow_start_after_idle" not in s["sysctl"]  # BBR is exempt
 
 
-def test_short_clean_path_keeps_the_hosts_congestion_control() -> None:
+def test_short_clean_path_keeps_the_hosts_congestion_control_and_buffers() -> None:
     s = vllm_settings(_report(1.0, 0.2))
     assert s is not None and "net.ipv4.tcp_congestion_control" not in s["sysctl"]
+    assert "net.ipv4.tcp_rmem" not in s["sysctl"]  # never below the kernel's own 6 MiB
     assert s["sysctl"]["net.ipv4.tcp_slow_start_after_idle"] == "0"
     lossy = vllm_settings(_report(1.0, 0.2, loss_pct=0.1))
     assert lossy is not None and lossy["sysctl"]["net.ipv4.tcp_congestion_control"] == "bbr"
@@ -41,7 +42,7 @@ def test_no_goodput_or_rtt_no_advice() -> None:
 
 
 def test_block_is_a_vllm_env_mapping_and_one_sysctl_line() -> None:
-    s = vllm_settings(_report(1.0, 10.0))
+    s = vllm_settings(_report(1.0, 80.0))  # 10 MB in flight: buffers past the defaults
     assert s is not None
     text = vllm_block(s)
     head, comment = text.rsplit("\n", 1)

@@ -94,11 +94,11 @@ def test_go_exits_0_with_the_documented_json(probe_server: ProbeServer) -> None:
     assert report["verdict"]["go"] is True and report["verdict"]["result"] == "GO"
     assert [r["status"] for r in report["verdict"]["rules"]] == ["pass"] * 4
     assert report["verdict"]["judged"] == ["kv_bandwidth", "rtt", "loss", "chunk_p99"]
-    # what to set for vLLM's NIXL on this link: the kernel's buffer caps sized from it, the
-    # interface toward the peer (loopback here), and slow start after idle off on a short
-    # clean path (BBR instead where the probe saw any loss)
+    # what to set for vLLM's NIXL on this link: the interface toward the peer (loopback
+    # here), no buffer caps (a loopback BDP is under the kernel's defaults), and slow start
+    # after idle off on a short clean path (BBR instead where the probe saw any loss)
     vllm = report["recommendations"]["vllm"]
-    assert vllm["sysctl"]["net.ipv4.tcp_wmem"].startswith("4096 16384 ")
+    assert "net.ipv4.tcp_wmem" not in vllm["sysctl"]
     assert vllm["env"]["UCX_NET_DEVICES"] == "lo"
     lossy = max(report["loss"]["up"], report["loss"]["down"]) > 0
     key, want = ("net.ipv4.tcp_congestion_control", "bbr") if lossy else (
