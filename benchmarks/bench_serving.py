@@ -1,12 +1,15 @@
 """TTFT and TPOT of the disaggregated pair vs colocated serving of the same tiny model, same run.
 
-Four paths, one request at a time (latency, not throughput), the same prompt, interleaved:
+Five paths, one request at a time (latency, not throughput), the same prompt, interleaved:
   colocated      the model in this process: TTFT = prefill forward + pick; TPOT = decode step.
   colocated_http one process holding the model behind a minimal HTTP/SSE endpoint (no gRPC):
                  what a colocated server pays for HTTP on top of the forward pass.
   local          pdx deploy, ``pdx_route: local``: gateway → decode, which prefills itself.
   disagg         pdx deploy, ``pdx_route: disaggregated``: gateway → prefill, whose first
                  token is streamed at once while the KV is stored; decode then fetches it.
+  direct_grpc    the same two gRPC calls (PrefillStream, then decode's Generate with the
+                 kv_id) made by the benchmark itself on the same instances: no gateway. The
+                 gateway's own cost is the per-round difference disagg − direct_grpc.
 TTFT is measured by the client to the first streamed token; TPOT = (E2E - TTFT) / (tokens - 1);
 the first→second token gap is reported on its own (disaggregation moves work there).
 Each served TTFT is broken down from the per-request ``pdx.timings_ms`` (gateway HTTP, gateway
@@ -217,6 +220,7 @@ async def served(args: argparse.Namespace, prompt: list[int]) -> dict[str, list[
         "colocated_http": lambda s: one_request(s, colo_url, _body(prompt, args, "")),
         "local": lambda s: one_request(s, url, _body(prompt, args, "local")),
         "disaggregated": lambda s: one_request(s, url, _body(prompt, args, "disaggregated")),
+        "direct_grpc": lambda s: direct_grpc(dep.gateway, prompt, args.max_tokens),
     }
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in calls}
     try:
@@ -230,6 +234,42 @@ async def served(args: argparse.Namespace, prompt: list[int]) -> dict[str, list[
         await stop_child(child)
         await dep.stop()
     return out
+
+
+async def direct_grpc(gateway: Any, prompt: list[int], max_tokens: int) -> dict[str, Any]:
+    """pdx's own two calls made by the benchmark itself, no gateway: PrefillStream (first
+    token, then the stored kv_id), then decode's Generate with it, on the gateway's own
+    connections to the instances (the same channels and mutual TLS): the floor the
+    disaggregated path's HTTP gateway adds to."""
+    from pdx._proto import serving_pb2
+
+    p, d = gateway.router.prefills[0], gateway.router.decodes[0]
+    sampling = serving_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                          ignore_eos=True)  # fmt: skip
+    rid = f"direct-{time.monotonic_ns()}"
+    gen = serving_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
+    stamps = [time.perf_counter()]
+    call = p.stub.PrefillStream(
+        serving_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling=sampling),
+        timeout=60,
+    )
+    async for event in call:
+        if event.HasField("first"):
+            stamps.append(time.perf_counter())
+            gen.first_token, gen.has_first_token = event.first.first_token, True
+        elif event.HasField("stored"):
+            gen.kv_id = event.stored.kv_id
+            gen.kv_endpoint = gateway.kv_route.get(event.stored.kv_endpoint,
+                                                   event.stored.kv_endpoint)  # fmt: skip
+    skip = 1  # decode echoes prefill's first token first
+    async for chunk in d.stub.Generate(gen, timeout=60):
+        for _ in chunk.token_ids:
+            if skip:
+                skip -= 1
+                continue
+            stamps.append(time.perf_counter())
+    assert gen.kv_id and len(stamps) > 2, (gen.kv_id, len(stamps))
+    return _latencies(stamps)
 
 
 def _body(prompt: list[int], args: argparse.Namespace, route: str) -> dict[str, Any]:
@@ -299,6 +339,13 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     }
     dis = runs["disaggregated"]
     assert all(not r["pdx"]["degraded"] for r in dis), "a disaggregated request degraded"
+    # the gateway's own cost: per round, the disaggregated path through it against pdx's two
+    # gRPC calls made directly (same instances, same round), median with a 90 % interval
+    gw = {
+        key: median_bounds([a[key] - b[key] for a, b in zip(dis, runs["direct_grpc"],
+                                                            strict=True)])
+        for key in ("ttft_ms", "tpot_ms")
+    }  # fmt: skip
     transfer = median([float(r["pdx"]["transfer_ms"]) for r in dis])
     goal = transfer + GOAL_SLACK_MS
     overhead = {b: paths["disaggregated"]["ttft_ms"] - paths[b]["ttft_ms"] for b in BASELINES}
@@ -312,6 +359,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "ttft_overhead_ms": overhead,
         "goal_met": {b: v <= goal for b, v in overhead.items()},
         "tpot_ratio_disagg_to_local": paths["disaggregated"]["tpot_ms"] / paths["local"]["tpot_ms"],
+        "gateway_over_direct_grpc_ms": gw,
     }
 
 
@@ -344,6 +392,13 @@ def render(result: dict[str, Any]) -> None:
         over = result["ttft_overhead_ms"][b]
         print(f"  vs {words}: {over:.2f} ms {verdict[result['goal_met'][b]]}")
     print(f"TPOT ratio disaggregated / local: {result['tpot_ratio_disagg_to_local']:.3f}")
+    gw = result["gateway_over_direct_grpc_ms"]
+    ttft, tpot = gw["ttft_ms"], gw["tpot_ms"]
+    print(
+        "gateway over pdx's two gRPC calls made directly (per-round median, 90 % interval): "
+        f"TTFT {ttft['median']:+.2f} ms {_interval(ttft, '{:+.2f}')}, "
+        f"TPOT {tpot['median']:+.3f} ms {_interval(tpot, '{:+.3f}')}"
+    )
 
 
 STREAM_GOAL_RTTS = 3

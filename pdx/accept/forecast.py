@@ -152,7 +152,7 @@ class _EngineCalibration:
         points: list[tuple[float, float]] = []
         self.fitted_on: list[str] = []
         for step, report, _ in steps:
-            if not _clean(pb.conditions[step.network]):
+            if not _clean(pb.conditions.get(step.network)):
                 continue
             link, _from = _link(report, baseline)
             point = pull_point(step, report, link, goodput_bps(link, facts.kv_streams), model)
@@ -185,6 +185,9 @@ class _EngineCalibration:
 
 
 def _clean(c: Any) -> bool:
-    """A condition with nothing but delay and a rate: its pulls show the link's own cost."""
+    """A condition with nothing but delay and a rate: its pulls show the link's own cost
+    (an unknown one, a baseline twin's, is not counted)."""
+    if c is None:
+        return False
     return not (c.loss or c.wan_events or c.kill_prefill_at_s is not None
                 or c.link_down_at_s is not None or c.jitter_ms)  # fmt: skip
