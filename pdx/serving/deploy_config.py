@@ -387,6 +387,13 @@ class VLLMConfig(BaseModel):
     ready_timeout_s: float = Field(
         600.0, gt=0, description="an instance's start, compile included, must fit in this"
     )
+    restart_ready_timeout_s: float = Field(
+        180.0,
+        gt=0,
+        description="a restarted instance (its model compiled already) must be ready within "
+        "this, else it is killed and started again: a restart that wedges does not keep the "
+        "site out for ready_timeout_s",
+    )
     log_dir: Path | None = Field(
         None, description="keep each instance's log here (<name>.log); null = the work directory"
     )

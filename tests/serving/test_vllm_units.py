@@ -3,8 +3,11 @@ metrics merging, KV sizing, the exported checkpoint and the NIXL idle hook."""
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import json
 import sys
+import time
 import types
 from pathlib import Path
 from typing import Any
@@ -19,9 +22,11 @@ from pdx.serving.engines.env import EngineUnavailable, VLLMEnv, check
 from pdx.serving.engines.metrics import INSTANCE_LABEL, engine_counters, merge, sample_sum
 from pdx.serving.engines.vllm import (
     CPU_HEAD_SIZES,
+    EngineStartError,
     VLLMEngines,
     check_model_for_device,
     head_size,
+    kill_group,
     kv_dtype,
 )
 from pdx.serving.gateway.engine_app import kv_sizer
@@ -295,3 +300,51 @@ def test_kv_failure_hook_records_each_request_whose_load_failed(tmp_path: Path) 
     assert lines[0]["hook"] == "kv_load_failures"
     assert [(r["request_id"], r["policy"]) for r in lines[1:]] == [
         ("cmpl-a-0-d", "recompute"), ("sync-7", "recompute"), ("cmpl-b-0-d", "fail")]  # fmt: skip
+
+
+class _Child:
+    """The supervisor's view of one instance, as spawn() reads and fills it."""
+
+    def __init__(self, name: str) -> None:
+        self.role, _, idx = name.partition("-")
+        self.index = int(idx)
+        self.proc: asyncio.subprocess.Process | None = None
+        self.info: dict[str, Any] = {}
+        self.log_path: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+async def test_a_restart_that_never_gets_ready_is_given_up_at_the_restart_bound(
+    tmp_path: Path,
+) -> None:
+    """A first start may take ready_timeout_s (a compile); a restart that wedges (an instance
+    that never answers /health) is given up after restart_ready_timeout_s, so the supervisor
+    kills it and starts another instead of keeping the site out for the whole first bound."""
+    engines = _engines(
+        tmp_path,
+        [
+            "vllm.ready_timeout_s=60",
+            "vllm.restart_ready_timeout_s=1",
+            f"vllm.log_dir={tmp_path / 'logs'}",
+        ],
+    )
+    wedged = tmp_path / "python"
+    wedged.write_text("#!/bin/sh\nexec sleep 30\n")  # an interpreter that never serves
+    wedged.chmod(0o755)
+    assert engines.env is not None
+    engines.env = dataclasses.replace(engines.env, python=str(wedged))
+    child = _Child("prefill-0")
+    child.proc = await asyncio.create_subprocess_exec("true", start_new_session=True)
+    await child.proc.wait()  # the instance that crashed
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(EngineStartError, match="not healthy within 1 s"):
+            await engines.spawn(child)
+        assert time.monotonic() - t0 < 10
+    finally:
+        assert child.proc is not None
+        kill_group(child.proc.pid)
+        await child.proc.wait()

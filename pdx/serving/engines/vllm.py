@@ -310,6 +310,7 @@ class VLLMEngines:
     async def spawn(self, child: ChildLike) -> None:
         """Start (or restart) the instance of ``child``; fill ``child.info`` once it is ready."""
         inst = self.instances[child.name]
+        restart = child.proc is not None
         if child.proc is not None:  # a restart: leftovers of the old process group go first
             kill_group(child.proc.pid)
         log_dir = self.cfg.vllm.log_dir or self.work_dir
@@ -323,7 +324,11 @@ class VLLMEngines:
                 env={**os.environ, **self.environ(inst)}, start_new_session=True,
             )  # fmt: skip
         t0 = time.monotonic()
-        await wait_healthy(inst.url, child.proc, self.cfg.vllm.ready_timeout_s, child.log_path)
+        v = self.cfg.vllm
+        timeout = (
+            min(v.ready_timeout_s, v.restart_ready_timeout_s) if restart else v.ready_timeout_s
+        )
+        await wait_healthy(inst.url, child.proc, timeout, child.log_path)
         child.info = {**self.describe(inst), "pid": child.proc.pid,
                       "ready_after_s": round(time.monotonic() - t0, 1)}  # fmt: skip
 
