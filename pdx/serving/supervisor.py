@@ -413,17 +413,26 @@ class Deployment:
         proc = child.proc
         if proc is None or proc.returncode is not None:
             return
-        proc.send_signal(signal.SIGTERM)
+        # Signalled by pid, not with proc.send_signal()/kill(): those poll with waitpid()
+        # first and can reap a child that just died before asyncio's child watcher does,
+        # which then reports exit code 255 instead of the real one (say -9). Until the
+        # watcher reaps it the pid cannot have been reused.
+        _signal_pid(proc.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), self.cfg.supervisor.shutdown_grace_s + 2)
         except TimeoutError:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
+            _signal_pid(proc.pid, signal.SIGKILL)
             await proc.wait()
         if self.engines is not None:  # an engine's own children (its engine core, workers)
             from pdx.serving.engines.vllm import kill_group
 
             kill_group(proc.pid)
+
+
+def _signal_pid(pid: int, sig: int) -> None:
+    """``kill(pid, sig)``; a process already gone is not an error."""
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, sig)
 
 
 def _tokenizer(cfg: DeployConfig) -> Any:

@@ -4,6 +4,10 @@ decode is down, local prefill while prefill is down, /readyz and /metrics naming
 
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import sys
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -18,6 +22,7 @@ from pdx.serving.deploy_config import NodeOptions, SupervisorConfig, load_deploy
 from pdx.serving.gateway import Gateway, build_gateway
 from pdx.serving.prefill import PrefillNode
 from pdx.serving.restarts import RestartBoard, backoff_s
+from pdx.serving.supervisor import Child, Deployment
 
 
 class Clock:
@@ -77,6 +82,26 @@ def test_the_board_backs_off_a_crash_loop_and_forgets_it_after_a_long_run() -> N
     assert row == {"name": "decode-0", "role": "decode", "index": 0, "state": "backoff",
                    "restarts": 4, "next_attempt_in_s": 1.0, "last_exit_code": 1}  # fmt: skip
     assert not board.is_down("prefill-0") and not board.is_down("not-supervised")
+
+
+async def test_a_child_killed_while_starting_keeps_its_real_exit_code() -> None:
+    """A child SIGKILLed as soon as it exists: the supervisor sees its stdout end, stops it
+    (as after a failed start), and its exit code stays -9 every time; signalling it through
+    asyncio's Process polled it with waitpid() first and could reap it under the child
+    watcher, which then reported 255 (seen about once in 30 rounds)."""
+    dep = Deployment(load_deploy_config(dotted=["supervisor.shutdown_grace_s=1"]))
+    codes = []
+    for _ in range(30):
+        child = Child("decode", 0)
+        child.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-c", "import time; time.sleep(30)", stdout=asyncio.subprocess.PIPE
+        )
+        os.kill(child.proc.pid, signal.SIGKILL)
+        assert child.proc.stdout is not None
+        await child.proc.stdout.read()  # its end, as _read_ready sees it
+        await dep._terminate(child)
+        codes.append(await child.proc.wait())
+    assert codes == [-signal.SIGKILL] * 30
 
 
 def test_the_board_exports_restarts_up_and_backoff_series() -> None:
