@@ -149,7 +149,9 @@ class SSEWriter:
         self._out: list[bytes] = []
         self._queue: asyncio.Queue[Any] | None = None  # several choices: their shared queue
 
-    async def _send(self, choice: dict[str, Any] | None, **extra: Any) -> None:
+    async def _send(
+        self, choice: dict[str, Any] | None, *, hold: bool = False, **extra: Any
+    ) -> None:
         # The event is {id, object, created, model, choices[, usage], **extra}; the fields
         # every event repeats are encoded once per stream (self._head), not once per token.
         parts = [self._head, orjson.dumps(choice) if choice is not None else b"", b"]"]
@@ -160,7 +162,7 @@ class SSEWriter:
             parts += [b',"', key.encode(), b'":', orjson.dumps(value)]
         parts.append(b"}\n\n")
         self._out.append(b"".join(parts))
-        if not self._held():
+        if not hold and not self._held():
             await self.flush()
 
     def _held(self) -> bool:
@@ -211,12 +213,13 @@ class SSEWriter:
             choice["token_ids"] = [token]
         await self._send(choice)
 
-    async def finish(self, flow: Flow) -> None:
-        """The last event of one choice: the rest of its text, finish reason, the pdx object."""
+    async def finish(self, flow: Flow, *, hold: bool = False) -> None:
+        """The last event of one choice: the rest of its text, finish reason, the pdx object
+        (``hold``: written with what follows, when nothing upstream is awaited before it)."""
         out, i = flow.outcome, flow.index
         rest = out.text[len(self.sent_text[i]) :]
         self.sent_text[i] = out.text
-        await self._send(self._choice(flow, rest, [], out.finish_reason), pdx=out.pdx)
+        await self._send(self._choice(flow, rest, [], out.finish_reason), hold=hold, pdx=out.pdx)
 
     async def run(self, firsts: list[int | None], events: Sequence[AsyncIterator[int]]) -> None:
         """Every event of the stream, then ``data: [DONE]``; a failure becomes an error event."""
@@ -226,19 +229,22 @@ class SSEWriter:
             else:
                 await self._many(firsts, events)
             if self.req.include_usage:
-                await self._send(None, usage=self._usage())
+                await self._send(None, hold=True, usage=self._usage())
         except HTTPProblem as exc:
-            await self.error(exc)
+            self.error(exc)
+        # The held end (last choice's event, usage, [DONE]) and the chunked terminator in
+        # one send: each send is a syscall, and at the end nothing upstream is waited for.
         self._out.append(b"data: [DONE]\n\n")
-        await self.flush()
-        await self.resp.write_eof()
+        data = b"".join(self._out)
+        self._out.clear()
+        await self.resp.write_eof(data)
 
     async def _one(self, flow: Flow, first: int | None, events: AsyncIterator[int]) -> None:
         if first is not None:
             await self.token(flow, first)
         async for token in events:
             await self.token(flow, token)
-        await self.finish(flow)
+        await self.finish(flow, hold=True)
 
     async def _many(self, firsts: list[int | None], events: Sequence[AsyncIterator[int]]) -> None:
         # Choices generate concurrently; their events are written as they come, one at a time.
@@ -276,10 +282,9 @@ class SSEWriter:
                 with contextlib.suppress(BaseException):
                     await task
 
-    async def error(self, exc: HTTPProblem) -> None:
-        """An error after streaming began: one error event (the stream then ends)."""
+    def error(self, exc: HTTPProblem) -> None:
+        """An error after streaming began: one error event, written with the stream's end."""
         self._out.append(f"data: {json.dumps(exc.body())}\n\n".encode())
-        await self.flush()
 
 
 def created_now() -> int:
