@@ -6,9 +6,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import sys
 import time
 import types
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +27,8 @@ from pdx.serving.engines.vllm import (
     EngineStartError,
     VLLMEngines,
     check_model_for_device,
+    group_gone,
+    group_members,
     head_size,
     kill_group,
     kv_dtype,
@@ -114,6 +118,8 @@ def test_command_line_and_environment_of_each_instance(tmp_path: Path) -> None:
     assert env["PDX_VLLM_COMPILE_KEY_IGNORE"] == "VLLM_NIXL_SIDE_CHANNEL_PORT"
     # One core each, in turn; every instance its own side channel and HTTP port.
     assert [engines.environ(i)["VLLM_CPU_OMP_THREADS_BIND"] for i in (p, d0, d1)] == ["0", "1", "0"]
+    # ... and NIXL's worker kept on it (it would move itself to the last core)
+    assert [engines.environ(i)["PDX_VLLM_KV_CPUS"] for i in (p, d0, d1)] == ["0", "1", "0"]
     assert len({i.side_channel_port for i in (p, d0, d1)}) == 3
     assert len({i.port for i in (p, d0, d1)}) == 3
     info = engines.describe(p)
@@ -269,6 +275,50 @@ def test_compile_key_hook_leaves_the_side_channel_port_out_of_the_cache_key() ->
     port["value"] = 41234
     assert envs.compile_factors() == first == {"VLLM_CPU_OMP_THREADS_BIND": "0"}
     assert any(p.match(envs.__name__) for p, _, _ in engine_hooks.HOOKS)
+
+
+async def test_a_killed_group_is_waited_for_until_no_process_of_it_lives() -> None:
+    """What a restart waits for: the old instance's whole group gone (zombies do not count),
+    a group that will not go reported after the wait."""
+    code = "import subprocess, time; subprocess.Popen(['sleep', '30']); time.sleep(30)"
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code,
+                                                start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 10
+        while len(group_members(proc.pid)) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert proc.pid in group_members(proc.pid) and len(group_members(proc.pid)) == 2
+        assert not await group_gone(proc.pid, 0.3)  # alive: the wait ends, saying so
+        assert kill_group(proc.pid)
+        assert await group_gone(proc.pid, 10)
+        assert group_members(proc.pid) == []
+    finally:
+        kill_group(proc.pid)
+        await proc.wait()
+
+
+def test_kv_cpus_hook_keeps_nixls_worker_on_the_instances_own_cores() -> None:
+    """NIXL's CPU worker pins itself to the machine's last core; with the hook it stays on
+    the cores pdx gave the instance (checked on this thread's real affinity)."""
+    worker = types.ModuleType("vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker")
+    worker.os = os  # type: ignore[attr-defined]
+    own = {min(os.sched_getaffinity(0))}
+    last = {max(os.sched_getaffinity(0))}
+    assert not engine_hooks.patch_kv_cpus(worker, set())  # nothing asked: vLLM's choice
+    assert engine_hooks.patch_kv_cpus(worker, own)
+    assert not engine_hooks.patch_kv_cpus(worker, own)  # once
+    assert worker.os.path is os.path and worker.os.getpid() == os.getpid()  # the rest is os
+    before = os.sched_getaffinity(0)
+
+    def pinned_as_nixl_asks() -> set[int]:
+        # what base_worker does from its main thread, here in a thread of its own
+        worker.os.sched_setaffinity(0, last)
+        return os.sched_getaffinity(0)
+
+    with ThreadPoolExecutor(1) as pool:
+        assert pool.submit(pinned_as_nixl_asks).result() == own
+    assert os.sched_getaffinity(0) == before  # only that thread moved
+    assert any(p.match(worker.__name__) for p, _, _ in engine_hooks.HOOKS)
 
 
 def test_kv_failure_hook_records_each_request_whose_load_failed(tmp_path: Path) -> None:

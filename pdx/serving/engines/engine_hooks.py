@@ -36,6 +36,15 @@ can tell (the request succeeds). With the variable set, both methods also append
 per affected request to that file (``{"request_id": ..., "t": ...}``), after a first line
 saying the hook is in place, so that "no line" can mean "no failed load".
 
+``PDX_VLLM_KV_CPUS`` — the instance's own cores (``0`` or ``2,3``). On a CPU build vLLM's NIXL
+worker (``nixl.base_worker``, 0.32) calls ``os.sched_setaffinity(0, ...)`` with the last core of
+each NUMA node, "reserved for KV transfer", from the worker's main thread, which then runs the
+forward passes there: every instance on the machine lands on the same last core, whatever
+``VLLM_CPU_OMP_THREADS_BIND`` gave it (measured here: prefill bound to core 0 and decode to
+core 1 both ran on core 1, and a decode worker spinning on its message queue left a restarted
+prefill on that core so little CPU that it missed its 180 s start three times in a row). With
+the variable set, that call keeps the worker on the instance's own cores instead.
+
 ``PDX_VLLM_COMPILE_KEY_IGNORE`` — comma-separated variable names. vLLM keys its torch.compile
 cache (``torch_compile_cache`` under its cache root) on every ``VLLM_*`` variable it knows but
 a list of those that cannot change the compiled graph (``envs.compile_factors``). The NIXL
@@ -63,6 +72,7 @@ SHM_ENV = "PDX_VLLM_SHM_BUSY_LOOP_S"
 RECHECK_ENV = "PDX_VLLM_SHM_RECHECK_MS"
 KV_FAILURES_ENV = "PDX_VLLM_KV_FAILURES"
 COMPILE_KEY_ENV = "PDX_VLLM_COMPILE_KEY_IGNORE"
+KV_CPUS_ENV = "PDX_VLLM_KV_CPUS"
 
 
 def _env_number(name: str) -> float | None:
@@ -210,6 +220,36 @@ def _compile_key(module: ModuleType) -> None:
     patch_compile_key(module, names)
 
 
+class _PinnedOs:
+    """Stands in for ``os`` inside NIXL's worker module: only ``sched_setaffinity`` changes."""
+
+    def __init__(self, cpus: set[int]) -> None:
+        self._cpus = cpus
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+    def sched_setaffinity(self, pid: int, cpus: Any) -> None:  # os's own name
+        os.sched_setaffinity(pid, self._cpus)
+
+
+def patch_kv_cpus(module: ModuleType, cpus: set[int]) -> bool:
+    """Keep the affinity NIXL's worker sets for itself within ``cpus``; True if patched."""
+    if not cpus or getattr(module, "os", None) is not os:
+        return False
+    module.os = _PinnedOs(cpus)  # type: ignore[attr-defined]
+    return True
+
+
+def _kv_cpus(module: ModuleType) -> None:
+    raw = os.environ.get(KV_CPUS_ENV, "")
+    try:
+        cpus = {int(c) for c in raw.split(",") if c.strip()}
+    except ValueError:
+        return
+    patch_kv_cpus(module, cpus)
+
+
 # module name pattern → its hook, and the variables that turn it on
 HOOKS: list[tuple[re.Pattern[str], Callable[[ModuleType], None], tuple[str, ...]]] = [
     (re.compile(r"^nixl(_cu\d+|_rocm)?\._api$"), _nixl, (NIXL_ENV,)),
@@ -217,6 +257,8 @@ HOOKS: list[tuple[re.Pattern[str], Callable[[ModuleType], None], tuple[str, ...]
      (SHM_ENV, RECHECK_ENV)),
     (re.compile(r"^vllm\.v1\.core\.sched\.scheduler$"), _kv_failures, (KV_FAILURES_ENV,)),
     (re.compile(r"^vllm\.envs$"), _compile_key, (COMPILE_KEY_ENV,)),
+    (re.compile(r"^vllm\.distributed\.kv_transfer\.kv_connector\.v1\.nixl\.base_worker$"),
+     _kv_cpus, (KV_CPUS_ENV,)),
 ]  # fmt: skip
 
 

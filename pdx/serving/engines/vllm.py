@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import time
@@ -26,6 +27,8 @@ from pdx.errors import InputError, ServingError
 from pdx.serving.deploy_config import DeployConfig, VLLMConfig, engine_model_config_json
 from pdx.serving.engines.env import VLLMEnv, discover
 from pdx.serving.engines.sites import free_ports, ucx_net_device
+
+logger = logging.getLogger("pdx.deploy")
 
 Role = Literal["prefill", "decode"]
 MODULE = "vllm.entrypoints.openai.api_server"
@@ -301,6 +304,8 @@ class VLLMEngines:
             env["UCX_NET_DEVICES"] = inst.ucx_net_device
         if inst.cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, inst.cpus))
+            # NIXL's worker would move itself to the machine's last core (engine_hooks.py)
+            env["PDX_VLLM_KV_CPUS"] = env["VLLM_CPU_OMP_THREADS_BIND"]
         if inst.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(inst.gpu)
         if inst.role == "decode" and self.cfg.kv.audit_dir is not None:
@@ -312,7 +317,14 @@ class VLLMEngines:
         inst = self.instances[child.name]
         restart = child.proc is not None
         if child.proc is not None:  # a restart: leftovers of the old process group go first
-            kill_group(child.proc.pid)
+            old = child.proc.pid
+            kill_group(old)
+            # ... and are gone before the new one starts: an engine worker tearing down its
+            # memory can take seconds, on cores the new instance is about to use.
+            if not await group_gone(old, GROUP_EXIT_WAIT_S):
+                logger.warning("%s: processes of the old instance (group %d) still exiting after "
+                            "%g s; starting the new one anyway", child.name, old,
+                            GROUP_EXIT_WAIT_S)  # fmt: skip
         log_dir = self.cfg.vllm.log_dir or self.work_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         if self.cfg.kv.audit_dir is not None:
@@ -368,6 +380,33 @@ def _device(choice: str, env: VLLMEnv) -> str:
     if choice == "auto":
         return "cuda" if env.gpus else "cpu"
     return choice
+
+
+GROUP_EXIT_WAIT_S = 60.0
+
+
+def group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes of process group ``pgid``, from /proc."""
+    pids = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        # after the command's ")": state, ppid, pgrp, ...
+        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
+            pids.append(int(stat.parent.name))
+    return pids
+
+
+async def group_gone(pgid: int, timeout_s: float) -> bool:
+    """Wait until process group ``pgid`` has no live process; False when time ran out."""
+    deadline = time.monotonic() + timeout_s
+    while group_members(pgid):
+        if time.monotonic() >= deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
 
 
 def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
