@@ -19,6 +19,7 @@ import pytest
 from pdx.errors import ConfigError, InputError
 from pdx.serving.deploy_config import load_deploy_config
 from pdx.serving.engines import engine_hooks
+from pdx.serving.engines import vllm as vllm_engines
 from pdx.serving.engines.client import _parse_event, sampling_body, token_logprobs
 from pdx.serving.engines.env import EngineUnavailable, VLLMEnv, check
 from pdx.serving.engines.metrics import INSTANCE_LABEL, engine_counters, merge, sample_sum
@@ -122,6 +123,9 @@ def test_command_line_and_environment_of_each_instance(tmp_path: Path) -> None:
     assert [engines.environ(i)["PDX_VLLM_KV_CPUS"] for i in (p, d0, d1)] == ["0", "1", "0"]
     assert len({i.side_channel_port for i in (p, d0, d1)}) == 3
     assert len({i.port for i in (p, d0, d1)}) == 3
+    own = _engines(tmp_path, ["vllm.env={VLLM_CPU_OMP_THREADS_BIND: '0-1'}"])
+    own_env = own.environ(own.instances["prefill-0"])  # a binding of one's own: left alone
+    assert own_env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1" and "PDX_VLLM_KV_CPUS" not in own_env
     info = engines.describe(p)
     assert info["url"] == f"http://127.0.0.1:{p.port}" and info["kv_endpoint"].startswith(
         "127.0.0.1:"
@@ -319,6 +323,7 @@ def test_kv_cpus_hook_keeps_nixls_worker_on_the_instances_own_cores() -> None:
         assert pool.submit(pinned_as_nixl_asks).result() == own
     assert os.sched_getaffinity(0) == before  # only that thread moved
     assert any(p.match(worker.__name__) for p, _, _ in engine_hooks.HOOKS)
+    assert engine_hooks.KV_CPUS_ENV == vllm_engines.KV_CPUS_ENV  # the name pdx sets
 
 
 def test_kv_failure_hook_records_each_request_whose_load_failed(tmp_path: Path) -> None:

@@ -29,6 +29,7 @@ from pdx.serving.engines.env import VLLMEnv, discover
 from pdx.serving.engines.sites import free_ports, ucx_net_device
 
 logger = logging.getLogger("pdx.deploy")
+KV_CPUS_ENV = "PDX_VLLM_KV_CPUS"  # engine_hooks.KV_CPUS_ENV (that module never imports pdx)
 
 Role = Literal["prefill", "decode"]
 MODULE = "vllm.entrypoints.openai.api_server"
@@ -305,12 +306,15 @@ class VLLMEngines:
         if inst.cpus:
             env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, inst.cpus))
             # NIXL's worker would move itself to the machine's last core (engine_hooks.py)
-            env["PDX_VLLM_KV_CPUS"] = env["VLLM_CPU_OMP_THREADS_BIND"]
+            env[KV_CPUS_ENV] = env["VLLM_CPU_OMP_THREADS_BIND"]
         if inst.gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = str(inst.gpu)
         if inst.role == "decode" and self.cfg.kv.audit_dir is not None:
             env["PDX_VLLM_KV_FAILURES"] = str(kv_failures_path(self.cfg.kv.audit_dir, inst.name))
-        return {**env, **v.env}
+        merged = {**env, **v.env}
+        if "VLLM_CPU_OMP_THREADS_BIND" in v.env and KV_CPUS_ENV not in v.env:
+            merged.pop(KV_CPUS_ENV, None)  # your own binding: pdx does not move NIXL's worker
+        return merged
 
     async def spawn(self, child: ChildLike) -> None:
         """Start (or restart) the instance of ``child``; fill ``child.info`` once it is ready."""
