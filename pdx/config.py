@@ -86,7 +86,7 @@ def _dotted_parts(dotted: str) -> list[str | int]:
             raise InputError("--set", dotted, "a dotted path such as kv.streams or a.b[0].c")
         while rest:
             idx, sep, rest = rest.partition("]")
-            if not sep or not idx.strip().isdigit():
+            if not sep or not (idx.strip().isascii() and idx.strip().isdigit()):
                 raise InputError("--set", dotted, "list indexes as [N] with N a whole number")
             parts.append(int(idx))
             rest = rest.lstrip("[")

@@ -20,7 +20,8 @@ def parse_hostport(
     host = host.strip("[]")
     if numeric_host and host == "localhost":
         host = "127.0.0.1"
-    if not sep or not host or not port_text.isdigit() or not low <= int(port_text) <= 65535:
+    digits = port_text.isascii() and port_text.isdigit()  # "²".isdigit(), but int() refuses it
+    if not sep or not host or not digits or not low <= int(port_text) <= 65535:
         raise InputError(field, text, f"HOST:PORT with a port in {low}..65535")
     if numeric_host:
         try:

@@ -131,11 +131,11 @@ class BufferLimits:
 
 def _third(text: str | None) -> int | None:
     parts = (text or "").split()
-    return int(parts[2]) if len(parts) == 3 and parts[2].isdigit() else None
+    return int(parts[2]) if len(parts) == 3 and parts[2].isascii() and parts[2].isdigit() else None
 
 
 def _int(text: str | None) -> int | None:
-    return int(text) if text and text.isdigit() else None
+    return int(text) if text and text.isascii() and text.isdigit() else None
 
 
 def buffer_limits() -> BufferLimits:

@@ -158,5 +158,7 @@ def map_rpc_error(exc: grpc.aio.AioRpcError, kv_id: str = "") -> KVError:
         code,
         message,
         kv_id=kv_id,
-        resume_chunk=int(resume) if isinstance(resume, str) and resume.isdigit() else None,
+        resume_chunk=int(resume)
+        if isinstance(resume, str) and resume.isascii() and resume.isdigit()
+        else None,
     )

@@ -60,6 +60,9 @@ BAD: list[tuple[bytes, str, str]] = [
     (b'{"prompt": [-1]}', "prompt", "/v1/completions"),
     (b'{"prompt": [5, 4000]}', "prompt", "/v1/completions"),
     (b'{"prompt": "hi", "logit_bias": {"2147483648": 1}}', "logit_bias", "/v1/completions"),
+    # digits to str.isdigit(), not to int(): superscript two, Arabic-Indic three
+    ('{"prompt": "hi", "logit_bias": {"\u00b2": 1}}'.encode(), "logit_bias", "/v1/completions"),
+    ('{"prompt": "hi", "logit_bias": {"\u0663": 1}}'.encode(), "logit_bias", "/v1/completions"),
     (b'{"prompt": "hi", "max_tokens": 4294967297}', "max_tokens", "/v1/completions"),
     (b'{"prompt": "\\ud800"}', "prompt", "/v1/completions"),
     (b'{"prompt": "hi", "user": "\\udfff"}', "user", "/v1/completions"),

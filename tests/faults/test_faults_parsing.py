@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from pdx.errors import PdxError
@@ -29,11 +29,19 @@ def test_hostport_round_trip(ip: object, port: int) -> None:
 
 
 @given(st.text(max_size=30))
+@example("0:\u00b2")  # "²".isdigit() is True, int("²") raises
+@example("127.0.0.1:\u0663")  # an Arabic-Indic 3: int() reads it, a port must be ASCII
 def test_hostport_garbage_is_an_input_error(text: str) -> None:
     try:
         parse_hostport(text, "--upstream")
     except PdxError as exc:
         assert str(exc).startswith("--upstream: got ")
+
+
+@pytest.mark.parametrize("port", ["\u00b2", "\u0663", "\uff18\uff10"])  # ², ٣, fullwidth 80
+def test_a_port_is_ascii_digits(port: str) -> None:
+    with pytest.raises(PdxError, match="HOST:PORT"):
+        parse_hostport(f"127.0.0.1:{port}", "--upstream")
 
 
 @given(

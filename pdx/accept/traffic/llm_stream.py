@@ -74,7 +74,7 @@ def load_lengths_file(path: str | Path) -> list[dict[str, Any]]:
             row = json.loads(line)
         else:
             parts = [p.strip() for p in line.split(",")]
-            if len(parts) != 2 or not all(p.isdigit() for p in parts):
+            if len(parts) != 2 or not all(p.isascii() and p.isdigit() for p in parts):
                 raise ValueError(f"{path}:{lineno}: expected 'input_len,output_len' or JSON")
             row = {"input_len": int(parts[0]), "output_len": int(parts[1])}
         if "output_len" not in row and "max_tokens" not in row:

@@ -162,7 +162,7 @@ class SamplingFields(BaseModel):
             raise _FieldProblem("temperature", self.temperature,
                                 f"0 (greedy) or a number in [{GREEDY_BELOW}, 2]")  # fmt: skip
         for token, bias in (self.logit_bias or {}).items():
-            if not token.isdigit() or int(token) >= 2**31:
+            if not (token.isascii() and token.isdigit()) or int(token) >= 2**31:
                 raise _FieldProblem("logit_bias", token, "token ids as decimal strings")
             if not -100 <= bias <= 100:
                 raise _FieldProblem(f"logit_bias.{token}", bias, "a number in [-100, 100]")
