@@ -172,11 +172,13 @@ class SSEWriter:
         flow = self.flows[0]
         return len(self.flows) == 1 and flow.more_ready and not flow.outcome.finish_reason
 
-    async def flush(self) -> None:
-        """Write every held event at once."""
-        if self._out:
-            data = b"".join(self._out)
-            self._out.clear()
+    async def flush(self, *, eof: bool = False) -> None:
+        """Write every held event at once (``eof``: with the chunked terminator, one send)."""
+        data = b"".join(self._out)
+        self._out.clear()
+        if eof:
+            await self.resp.write_eof(data)
+        elif data:
             await self.resp.write(data)
 
     def _usage(self) -> dict[str, int]:
@@ -235,9 +237,7 @@ class SSEWriter:
         # The held end (last choice's event, usage, [DONE]) and the chunked terminator in
         # one send: each send is a syscall, and at the end nothing upstream is waited for.
         self._out.append(b"data: [DONE]\n\n")
-        data = b"".join(self._out)
-        self._out.clear()
-        await self.resp.write_eof(data)
+        await self.flush(eof=True)
 
     async def _one(self, flow: Flow, first: int | None, events: AsyncIterator[int]) -> None:
         if first is not None:
