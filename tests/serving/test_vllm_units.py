@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import json
 import os
+import subprocess
 import sys
 import time
 import types
@@ -117,6 +118,7 @@ def test_command_line_and_environment_of_each_instance(tmp_path: Path) -> None:
     assert env["PDX_VLLM_SHM_BUSY_LOOP_S"] == "0.02"
     assert env["VLLM_NO_USAGE_STATS"] == "1"
     assert env["PDX_VLLM_COMPILE_KEY_IGNORE"] == "VLLM_NIXL_SIDE_CHANNEL_PORT"
+    assert env["PDX_VLLM_AMX"] == "1"
     # One core each, in turn; every instance its own side channel and HTTP port.
     assert [engines.environ(i)["VLLM_CPU_OMP_THREADS_BIND"] for i in (p, d0, d1)] == ["0", "1", "0"]
     # ... and NIXL's worker kept on it (it would move itself to the last core)
@@ -324,6 +326,38 @@ def test_kv_cpus_hook_keeps_nixls_worker_on_the_instances_own_cores() -> None:
     assert os.sched_getaffinity(0) == before  # only that thread moved
     assert any(p.match(worker.__name__) for p, _, _ in engine_hooks.HOOKS)
     assert engine_hooks.KV_CPUS_ENV == vllm_engines.KV_CPUS_ENV  # the name pdx sets
+
+
+_XCOMP_PERM = """
+import ctypes, os, sys, types
+libc = ctypes.CDLL(None, use_errno=True)
+def granted() -> bool:  # arch_prctl(ARCH_GET_XCOMP_PERM): bit 18 is AMX's tile data
+    bits = ctypes.c_uint64()
+    libc.syscall(158, 0x1022, ctypes.byref(bits))
+    return bool(bits.value >> 18 & 1)
+import torch
+from pdx.serving.engines import engine_hooks
+before = granted()
+engine_hooks._amx(types.ModuleType("vllm.v1.attention.backends.cpu_attn"))
+print(before, granted())
+"""
+
+
+def test_amx_hook_asks_the_kernel_for_the_tile_state_before_vllms_attention() -> None:
+    """vLLM's bf16 CPU attention runs AMX instructions where the CPU lists AMX, but never
+    asks Linux for the permission: under --enforce-eager the first KV-loaded step died of
+    SIGILL. The hook asks for it (checked through the kernel's own answer, in a fresh
+    process: a permission once granted stays for the process's life)."""
+    if "amx_tile" not in Path("/proc/cpuinfo").read_text():
+        pytest.skip("this CPU has no AMX")
+    env = {**os.environ, engine_hooks.AMX_ENV: "1"}
+    run = [sys.executable, "-c", _XCOMP_PERM]
+    out = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "True"], out
+    env.pop(engine_hooks.AMX_ENV)  # not asked: not requested
+    out = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"], out
+    assert any(p.match("vllm.v1.attention.backends.cpu_attn") for p, _, _ in engine_hooks.HOOKS)
 
 
 def test_kv_failure_hook_records_each_request_whose_load_failed(tmp_path: Path) -> None:

@@ -45,6 +45,14 @@ core 1 both ran on core 1, and a decode worker spinning on its message queue lef
 prefill on that core so little CPU that it missed its 180 s start three times in a row). With
 the variable set, that call keeps the worker on the instance's own cores instead.
 
+``PDX_VLLM_AMX`` — ``1``: when vLLM's CPU attention backend is imported (``cpu_attn``), the
+process asks the kernel for the AMX tile state first (``torch.cpu._init_amx()``, the
+``arch_prctl(ARCH_REQ_XCOMP_PERM)`` Linux requires before a process may use AMX). vLLM picks
+its ``amx`` attention kernels for bf16 whenever the CPU lists AMX, but does not ask for the
+permission itself; its compiled mode happens to ask on the way (oneDNN), ``--enforce-eager``
+does not, and the first KV-loaded decode step then died of SIGILL ("Illegal instruction" in
+``cpu_attention_with_kv_cache``; seen on a Xeon with AMX, vLLM 0.32, CPU build).
+
 ``PDX_VLLM_COMPILE_KEY_IGNORE`` — comma-separated variable names. vLLM keys its torch.compile
 cache (``torch_compile_cache`` under its cache root) on every ``VLLM_*`` variable it knows but
 a list of those that cannot change the compiled graph (``envs.compile_factors``). The NIXL
@@ -73,6 +81,7 @@ RECHECK_ENV = "PDX_VLLM_SHM_RECHECK_MS"
 KV_FAILURES_ENV = "PDX_VLLM_KV_FAILURES"
 COMPILE_KEY_ENV = "PDX_VLLM_COMPILE_KEY_IGNORE"
 KV_CPUS_ENV = "PDX_VLLM_KV_CPUS"
+AMX_ENV = "PDX_VLLM_AMX"
 
 
 def _env_number(name: str) -> float | None:
@@ -250,6 +259,15 @@ def _kv_cpus(module: ModuleType) -> None:
     patch_kv_cpus(module, cpus)
 
 
+def _amx(module: ModuleType) -> None:
+    if os.environ.get(AMX_ENV) != "1":
+        return
+    torch = sys.modules.get("torch")
+    init = getattr(getattr(torch, "cpu", None), "_init_amx", None)
+    if callable(init):
+        init()  # False where the CPU or kernel has no AMX: nothing to do then
+
+
 # module name pattern → its hook, and the variables that turn it on
 HOOKS: list[tuple[re.Pattern[str], Callable[[ModuleType], None], tuple[str, ...]]] = [
     (re.compile(r"^nixl(_cu\d+|_rocm)?\._api$"), _nixl, (NIXL_ENV,)),
@@ -259,6 +277,7 @@ HOOKS: list[tuple[re.Pattern[str], Callable[[ModuleType], None], tuple[str, ...]
     (re.compile(r"^vllm\.envs$"), _compile_key, (COMPILE_KEY_ENV,)),
     (re.compile(r"^vllm\.distributed\.kv_transfer\.kv_connector\.v1\.nixl\.base_worker$"),
      _kv_cpus, (KV_CPUS_ENV,)),
+    (re.compile(r"^vllm\.v1\.attention\.backends\.cpu_attn$"), _amx, (AMX_ENV,)),
 ]  # fmt: skip
 
 

@@ -292,6 +292,9 @@ class VLLMEngines:
             # The side channel's port changes nothing compiled: the next deployment, on
             # another free port, reuses this one's compiled model (engine_hooks.py).
             "PDX_VLLM_COMPILE_KEY_IGNORE": "VLLM_NIXL_SIDE_CHANNEL_PORT",
+            # vLLM's bf16 attention uses AMX where the CPU has it without asking the kernel
+            # for it: --enforce-eager then dies of SIGILL (engine_hooks.py)
+            "PDX_VLLM_AMX": "1",
             # The checkpoint is local: never reach a hub, never report usage.
             "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1",
