@@ -26,6 +26,7 @@ import aiohttp
 import orjson
 
 from pdx.errors import ServingError
+from pdx.serving.engines.http1 import HTTP1Client, HTTPConnectionError, origin_of
 
 
 class EngineUnreachable(ServingError):
@@ -81,7 +82,6 @@ class StreamChunk:
     more: bool = False  # another event arrived in the same read: it follows without a wait
 
 
-_JSON = {"Content-Type": "application/json"}
 MAX_EVENT_BYTES = 1 << 20  # one server-sent event line from an engine, at most
 
 
@@ -101,11 +101,27 @@ def _error_message(text: str) -> str:
 
 
 class EngineClient:
-    """HTTP calls to vLLM instances over one shared aiohttp session."""
+    """HTTP calls to vLLM instances: the two per request (prefill, decode's stream) over
+    :class:`~pdx.serving.engines.http1.HTTP1Client`'s pooled connections, the polls (health,
+    metrics, models) over one shared aiohttp session."""
 
-    def __init__(self, session: aiohttp.ClientSession, model: str) -> None:
+    def __init__(
+        self, session: aiohttp.ClientSession, model: str, http: HTTP1Client | None = None
+    ) -> None:
         self.session = session
         self.model = model
+        self.http = http or HTTP1Client()
+        self._origins: dict[str, tuple[str, int]] = {}
+
+    def _origin(self, base_url: str) -> tuple[str, int]:
+        origin = self._origins.get(base_url)
+        if origin is None:
+            origin = self._origins[base_url] = origin_of(base_url)
+        return origin
+
+    async def close(self) -> None:
+        """Close the request connections (the aiohttp session is its owner's to close)."""
+        await self.http.close()
 
     def _timeout(self, total_s: float, connect_s: float = 3.0) -> aiohttp.ClientTimeout:
         return aiohttp.ClientTimeout(total=total_s, connect=min(connect_s, total_s))
@@ -131,14 +147,16 @@ class EngineClient:
         return PrefillResult(params, elapsed_ms, int(ids[0]) if ids else None)
 
     async def _post_json(self, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+        base, _, path = url.partition("/v1/")
         try:
-            async with self.session.post(
-                url, data=orjson.dumps(body), headers=_JSON, timeout=self._timeout(timeout_s)
-            ) as r:
+            async with self.http.post(
+                self._origin(base), "/v1/" + path, orjson.dumps(body), timeout_s=timeout_s,
+                connect_timeout_s=min(3.0, timeout_s),
+            ) as r:  # fmt: skip
                 raw = await r.read()
                 if r.status != 200:
                     raise EngineHTTPError(r.status, _error_message(_text(raw)))
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+        except (HTTPConnectionError, TimeoutError) as exc:
             raise EngineUnreachable(f"{url}: {type(exc).__name__}: {exc}") from None
         try:
             data: dict[str, Any] = orjson.loads(raw)
@@ -159,16 +177,19 @@ class EngineClient:
         body = {**body, "model": self.model, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
         try:
-            async with self.session.post(
-                url, data=orjson.dumps(body), headers=_JSON, timeout=self._timeout(timeout_s)
-            ) as r:
+            async with self.http.post(
+                self._origin(base_url), "/v1/completions", orjson.dumps(body),
+                timeout_s=timeout_s, connect_timeout_s=min(3.0, timeout_s),
+            ) as r:  # fmt: skip
                 if r.status != 200:
-                    raise EngineHTTPError(r.status, _error_message(await r.text()))
+                    raise EngineHTTPError(
+                        r.status, _error_message(_text(await r.read(MAX_EVENT_BYTES)))
+                    )
                 done, rest = False, b""
                 try:
                     # Whatever arrived, split into lines here: one wake-up per read, not per
                     # line (every event is a data line and a blank one).
-                    async for data in r.content.iter_any():
+                    async for data in r.iter_any():
                         lines = (rest + data).split(b"\n")
                         rest = lines.pop()
                         if len(rest) > MAX_EVENT_BYTES:
@@ -189,7 +210,7 @@ class EngineClient:
                 finally:
                     if not done:  # left early (client gone, stop string): abort it in vLLM
                         r.close()
-        except (aiohttp.ClientConnectionError, aiohttp.ClientPayloadError, TimeoutError) as exc:
+        except (HTTPConnectionError, TimeoutError) as exc:
             raise EngineUnreachable(f"{url}: {type(exc).__name__}: {exc}") from None
 
     async def healthy(self, base_url: str, timeout_s: float = 1.0) -> bool:

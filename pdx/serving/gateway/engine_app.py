@@ -74,6 +74,8 @@ class EngineGateway(Gateway):
     async def stop(self) -> None:
         """Stop serving, then close the HTTP session."""
         await super().stop()
+        if self._client is not None:
+            await self._client.close()
         if self.session is not None:
             await self.session.close()
 
