@@ -38,7 +38,7 @@ from pdx.serving.gateway.protocol import (
     resolve,
     validate_body,
 )
-from pdx.serving.gateway.responses import SSEWriter, completion_body, created_now
+from pdx.serving.gateway.responses import SSEResponse, SSEWriter, completion_body, created_now
 from pdx.serving.restarts import RestartBoard
 from pdx.serving.router import DecodeInstance, PrefillInstance, Router
 from pdx.serving.rpc import channel
@@ -357,7 +357,7 @@ class Gateway:
             for flow in flows:
                 flow.release()
             raise
-        resp = web.StreamResponse(
+        resp = SSEResponse(
             headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
         )
         sse = SSEWriter(self.tokenizer, req, flows, rid, created, resp)

@@ -10,6 +10,8 @@ the prefix changed (the mapping is in docs/deploy.md). Under ``pdx deploy`` the 
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 # 1 ms to 60 s: fine steps where a tiny model lives, coarse ones out to a long generation.
@@ -93,10 +95,25 @@ class GatewayMetrics:
         self._success = Counter("pdx:request_success", "Finished requests by finish reason",
                                 [*label, "finished_reason"], registry=r)  # fmt: skip
         m = self.model_name
+        # the success counter's model label fixed: what remains is the finish reason
+        self._success_m = _Bound(self._success, m)
         self.itl = self._itl.labels(m)
         self.running = self._running.labels(m)
         self.waiting = self._waiting.labels(m)
         self.generation_tokens = self._generation_tokens.labels(m)
+        # Every finished request records into these: the children are looked up once, not
+        # through labels() (its validation and lock) on every request.
+        self._ttft_m, self._tpot_m = self._ttft.labels(m), self._tpot.labels(m)
+        self._e2e_m, self._prompt_tokens_m = self._e2e.labels(m), self._prompt_tokens.labels(m)
+        self._by_label: dict[tuple[object, str], Any] = {}
+
+    def _child(self, metric: Any, value: str) -> Any:
+        """``metric.labels(value)`` (route-, or finish-reason-labelled), looked up once."""
+        key = (metric, value)
+        child = self._by_label.get(key)
+        if child is None:
+            child = self._by_label[key] = metric.labels(value)
+        return child
 
     def finished(
         self,
@@ -108,15 +125,25 @@ class GatewayMetrics:
         prompt_tokens: int,
     ) -> None:
         """Record one finished choice (``prompt_tokens`` only for a request's first choice)."""
-        m = self.model_name
         if ttft_s is not None:
-            self.ttft.labels(route).observe(ttft_s)
-            self._ttft.labels(m).observe(ttft_s)
+            self._child(self.ttft, route).observe(ttft_s)
+            self._ttft_m.observe(ttft_s)
             if tokens > 1:
                 tpot = (e2e_s - ttft_s) / (tokens - 1)
-                self.tpot.labels(route).observe(tpot)
-                self._tpot.labels(m).observe(tpot)
-        self._e2e.labels(m).observe(e2e_s)
+                self._child(self.tpot, route).observe(tpot)
+                self._tpot_m.observe(tpot)
+        self._e2e_m.observe(e2e_s)
         if prompt_tokens:
-            self._prompt_tokens.labels(m).inc(prompt_tokens)
-        self._success.labels(m, finish_reason or "abort").inc()
+            self._prompt_tokens_m.inc(prompt_tokens)
+        self._child(self._success_m, finish_reason or "abort").inc()
+
+
+class _Bound:
+    """A labelled metric with its first label fixed: ``labels(rest)`` is ``labels(first, rest)``."""
+
+    def __init__(self, metric: Any, first: str) -> None:
+        self.metric, self.first = metric, first
+
+    def labels(self, value: str) -> Any:
+        """The child for (first, value)."""
+        return self.metric.labels(self.first, value)

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
+import orjson
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pdx.kv.codecs import is_codec_name, valid_codec_names
@@ -392,10 +394,27 @@ class ModelList(BaseModel):
 # --- parsing -----------------------------------------------------------------------------
 
 
+# A run of 19+ digits: an integer orjson would turn into a float (it keeps 64 bits).
+_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+
+
+def _loads(raw: bytes) -> Any:
+    """``json.loads``, through orjson where it gives the same objects (a 300-id prompt parses
+    ~10x faster). What orjson refuses but the standard library accepts (NaN, lone surrogates,
+    UTF-16, nesting past 1,024, 1e400) and integers past 64 bits (orjson: floats) go to the
+    standard library as before: what a request means and every error it gets stay the same."""
+    if _LONG_NUMBER.search(raw) is None:
+        try:
+            return orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            pass
+    return json.loads(raw)
+
+
 def parse_json(raw: bytes) -> dict[str, Any]:
     """The request body as a JSON object; 400 for bad JSON, deep nesting or lone surrogates."""
     try:
-        body = json.loads(raw)
+        body = _loads(raw)
     except RecursionError:  # a bracket flood: json's own recursion guard fired
         raise bad_request(
             "body", f"JSON nested deeper than {MAX_JSON_DEPTH}", "invalid_json"

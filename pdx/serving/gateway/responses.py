@@ -122,6 +122,15 @@ def completion_body(
     return model.model_validate(body).model_dump(mode="json", exclude_none=False)
 
 
+class SSEResponse(web.StreamResponse):
+    """A streamed response whose headers go out with its first events, in one send (aiohttp's
+    opt-in: a plain StreamResponse sends them alone at ``prepare``). The response is prepared
+    once the first token is at hand, and that token's event is written before anything is
+    awaited upstream, so no byte waits longer than before: one syscall fewer per request."""
+
+    _send_headers_immediately = False
+
+
 class SSEWriter:
     """Writes one request's server-sent events (every choice) with incremental text."""
 
@@ -292,4 +301,4 @@ def created_now() -> int:
     return int(time.time())
 
 
-__all__ = ["Outcome", "SSEWriter", "completion_body", "created_now"]
+__all__ = ["Outcome", "SSEResponse", "SSEWriter", "completion_body", "created_now"]
