@@ -42,18 +42,25 @@ def _run(out: Path, extra: list[str]) -> tuple[int, str, dict[str, Any]]:
     return result.exit_code, result.output, data
 
 
-@pytest.mark.timeout(720)  # six 25 s steps, a probe before each, the deploy: about 4 minutes
+@pytest.mark.timeout(600)  # four 25-45 s steps, a probe before each, the deploy: ~3 minutes
 def test_cross_dc_lite_every_step_valid_and_predicted(tmp_path: Path) -> None:
     # The playbook's 50 s steps cut to 25 s: still past validity.min_duration_s (20 s) and
     # 20-60 requests a step, enough for the medians this test checks against the predictions;
     # but not at 200 Mbit/s, where one 1,024-token request takes ~7 s (128 MiB of KV): 25 s
     # held 4 requests, under validity.min_requests (5), so that step keeps 45 s (6-7 requests).
+    # Four of the playbook's six steps: both prompt sizes at 10 ms, 40 ms at full rate and at
+    # 200 Mbit/s (the prediction must follow the rate); 80 ms adds only a longer RTT, and loss
+    # has its own test below.
     code, output, data = _run(
-        tmp_path / "a", ["matrix.duration_s=25", "conditions.wan40-200m.duration_s=45"]
-    )
-    assert code in (0, 1), (output, data["problems"])
-    assert data["verdict"] in ("GO", "NO-GO") and data["valid"] and data["complete"], output
-    assert all(s["valid"] for s in data["steps"]) and len(data["steps"]) == 6
+        tmp_path / "a",
+        ["matrix.duration_s=25", "conditions.wan40-200m.duration_s=45",
+         "matrix.network=[wan10,wan40,wan40-200m]"],
+    )  # fmt: skip
+    # INCONCLUSIVE is a verdict too: a 25 s step may leave a criterion its sample cannot
+    # decide; what this test is about, valid steps beside their predictions, is checked below.
+    assert code in (0, 1, 3), (output, data["problems"])
+    assert data["valid"] and data["complete"], output
+    assert all(s["valid"] for s in data["steps"]) and len(data["steps"]) == 4
     for s in data["steps"]:
         assert set(s["prediction"]) == METRICS, s["id"]
         assert isinstance(s["unexplained"], bool)
@@ -70,7 +77,7 @@ def test_cross_dc_lite_every_step_valid_and_predicted(tmp_path: Path) -> None:
     )
     assert 3 < ratio < 7
     summary = data["prediction_summary"]
-    assert summary["predicted"] == 6 and summary["unexplained"] <= 2, summary
+    assert summary["predicted"] == 4 and summary["unexplained"] <= 2, summary
     recs = data["recommendations"]
     assert set(recs) == SETTINGS
     assert all(set(r) >= {"value", "why"} and r["why"] for r in recs.values())
