@@ -232,6 +232,36 @@ async def test_a_pooled_connection_the_server_closed_is_replaced(when: str) -> N
     await c.close()
 
 
+async def test_bytes_on_an_idle_connection_retire_it() -> None:
+    """A server that answers, then writes again while the connection sits in the pool (an
+    unasked 408, say): that connection is never handed to the next request."""
+    heads = 0
+
+    async def answer_then_babble(reader: asyncio.StreamReader,
+                                 writer: asyncio.StreamWriter) -> None:  # fmt: skip
+        nonlocal heads
+        with contextlib.suppress(ConnectionError, asyncio.IncompleteReadError):
+            while True:
+                await reader.readuntil(b"\r\n\r\n")
+                heads += 1
+                await reader.readexactly(2)
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\n{}")
+                await asyncio.sleep(0.05)
+                writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
+                await writer.drain()
+
+    server = await asyncio.start_server(answer_then_babble, "127.0.0.1", 0)
+    origin = ("127.0.0.1", server.sockets[0].getsockname()[1])
+    c = HTTP1Client()
+    for _ in range(3):
+        assert await _post_json(c, origin, "/x", {}) == {}
+        await asyncio.sleep(0.15)
+    assert heads == 3  # each on a fresh connection: none read the stray 408 as its answer
+    server.close()
+    await server.wait_closed()
+    await c.close()
+
+
 def test_origins() -> None:
     assert origin_of("http://127.0.0.1:8100") == ("127.0.0.1", 8100)
     assert origin_of("http://[::1]:9000/") == ("::1", 9000)

@@ -42,6 +42,7 @@ class _Conn(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
         self.reused = False
+        self.idle = False  # in the pool: no byte may arrive now
         self._reset()
         self.broken: BaseException | None = None
 
@@ -65,6 +66,11 @@ class _Conn(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.any_bytes = True
+        if self.idle:  # an answer nobody asked for (a 408 before an idle close, say)
+            self._fail(HTTPConnectionError("bytes from the instance on an idle connection"))
+            if self.transport is not None:
+                self.transport.close()
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -226,7 +232,7 @@ class HTTP1Client:
         while idle:
             conn = idle.pop()
             if conn.usable:
-                conn.reused = True
+                conn.reused, conn.idle = True, False
                 return conn
             self._open.discard(conn)
         return None
@@ -241,6 +247,7 @@ class HTTP1Client:
             self._drop(conn)
             return
         conn._reset()
+        conn.idle = True
         idle.append(conn)
 
     @contextlib.asynccontextmanager
