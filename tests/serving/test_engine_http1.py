@@ -12,7 +12,8 @@ import orjson
 import pytest
 from aiohttp import web
 
-from pdx.serving.engines.http1 import HTTP1Client, HTTPConnectionError, origin_of
+from pdx.serving.engines.http1 import HTTP1Client, HTTPConnectionError, Origin, origin_of
+from pdx.tls import client_ssl_context, init_certs, server_ssl_context, tls_for
 
 
 class Upstream:
@@ -74,14 +75,14 @@ class Upstream:
 
 
 @pytest.fixture
-async def upstream() -> AsyncIterator[tuple[Upstream, tuple[str, int]]]:
+async def upstream() -> AsyncIterator[tuple[Upstream, Origin]]:
     up = Upstream()
     port = await up.start()
-    yield up, ("127.0.0.1", port)
+    yield up, Origin("127.0.0.1", port)
     await up.stop()
 
 
-async def _post_json(c: HTTP1Client, origin: tuple[str, int], path: str, body: object) -> object:
+async def _post_json(c: HTTP1Client, origin: Origin, path: str, body: object) -> object:
     async with c.post(origin, path, orjson.dumps(body), timeout_s=5) as r:
         assert r.status == 200
         return orjson.loads(await r.read())
@@ -169,7 +170,7 @@ async def test_refused_and_closed_peers_raise_connection_errors() -> None:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]  # bound, not listening: refused
         with pytest.raises(HTTPConnectionError, match=r"connect to 127\.0\.0\.1"):
-            async with c.post(("127.0.0.1", port), "/x", b"{}", timeout_s=2):
+            async with c.post(Origin("127.0.0.1", port), "/x", b"{}", timeout_s=2):
                 pass
 
     async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
@@ -187,7 +188,7 @@ async def test_refused_and_closed_peers_raise_connection_errors() -> None:
         server = await asyncio.start_server(handler, "127.0.0.1", 0)
         port = server.sockets[0].getsockname()[1]
         with pytest.raises(HTTPConnectionError, match=match):
-            async with c.post(("127.0.0.1", port), "/x", b"{}", timeout_s=2):
+            async with c.post(Origin("127.0.0.1", port), "/x", b"{}", timeout_s=2):
                 pass
         server.close()
         await server.wait_closed()
@@ -219,7 +220,7 @@ async def test_a_pooled_connection_the_server_closed_is_replaced(when: str) -> N
         writer.close()  # keep-alive promised, then closed
 
     server = await asyncio.start_server(one_answer_then_close, "127.0.0.1", 0)
-    origin = ("127.0.0.1", server.sockets[0].getsockname()[1])
+    origin = Origin("127.0.0.1", server.sockets[0].getsockname()[1])
     c = HTTP1Client()
     for _ in range(3):
         assert await _post_json(c, origin, "/x", {}) == {}
@@ -251,7 +252,7 @@ async def test_bytes_on_an_idle_connection_retire_it() -> None:
                 await writer.drain()
 
     server = await asyncio.start_server(answer_then_babble, "127.0.0.1", 0)
-    origin = ("127.0.0.1", server.sockets[0].getsockname()[1])
+    origin = Origin("127.0.0.1", server.sockets[0].getsockname()[1])
     c = HTTP1Client()
     for _ in range(3):
         assert await _post_json(c, origin, "/x", {}) == {}
@@ -263,8 +264,42 @@ async def test_bytes_on_an_idle_connection_retire_it() -> None:
 
 
 def test_origins() -> None:
-    assert origin_of("http://127.0.0.1:8100") == ("127.0.0.1", 8100)
-    assert origin_of("http://[::1]:9000/") == ("::1", 9000)
-    assert origin_of("http://engine") == ("engine", 80)
-    with pytest.raises(ValueError, match="only http://"):
-        origin_of("https://127.0.0.1:1")
+    assert origin_of("http://127.0.0.1:8100") == (Origin("127.0.0.1", 8100), "")
+    assert origin_of("http://[::1]:9000/") == (Origin("::1", 9000), "")
+    assert origin_of("http://[::1]") == (Origin("::1", 80), "")
+    assert origin_of("http://engine") == (Origin("engine", 80), "")
+    assert origin_of("https://engine.example/prefill-a/") == (
+        Origin("engine.example", 443, tls=True),
+        "/prefill-a",
+    )
+    with pytest.raises(ValueError, match="http:// or https://"):
+        origin_of("ftp://127.0.0.1:1")
+
+
+async def test_https_and_a_path_prefix(tmp_path) -> None:
+    """An instance behind TLS (its certificate checked against the CA given) under a path."""
+    init_certs(tmp_path, ["engine", "gateway"])
+    seen: list[str] = []
+
+    async def handler(request: web.Request) -> web.Response:
+        seen.append(request.path)
+        return web.json_response({"ok": True})
+
+    app = web.Application()
+    app.router.add_post("/a/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0,
+                       ssl_context=server_ssl_context(tls_for(tmp_path, "engine")))  # fmt: skip
+    await site.start()
+    port = runner.addresses[0][1]
+    origin, prefix = origin_of(f"https://127.0.0.1:{port}/a")
+    c = HTTP1Client(tls=client_ssl_context(tls_for(tmp_path, "gateway")))
+    assert await _post_json(c, origin, prefix + "/v1/completions", {}) == {"ok": True}
+    assert seen == ["/a/v1/completions"]
+    await c.close()
+    untrusted = HTTP1Client()  # the system's trust store does not know this CA
+    with pytest.raises(HTTPConnectionError, match="CERTIFICATE_VERIFY_FAILED"):
+        await _post_json(untrusted, origin, prefix + "/v1/completions", {})
+    await untrusted.close()
+    await runner.cleanup()

@@ -26,7 +26,7 @@ import aiohttp
 import orjson
 
 from pdx.errors import ServingError
-from pdx.serving.engines.http1 import HTTP1Client, HTTPConnectionError, origin_of
+from pdx.serving.engines.http1 import HTTP1Client, HTTPConnectionError, Origin, origin_of
 
 
 class EngineUnreachable(ServingError):
@@ -111,13 +111,14 @@ class EngineClient:
         self.session = session
         self.model = model
         self.http = http or HTTP1Client()
-        self._origins: dict[str, tuple[str, int]] = {}
+        self._origins: dict[str, tuple[Origin, str]] = {}
 
-    def _origin(self, base_url: str) -> tuple[str, int]:
-        origin = self._origins.get(base_url)
-        if origin is None:
-            origin = self._origins[base_url] = origin_of(base_url)
-        return origin
+    def _where(self, base_url: str) -> tuple[Origin, str]:
+        """The instance's origin and the path prefix its API lives under (usually none)."""
+        where = self._origins.get(base_url)
+        if where is None:
+            where = self._origins[base_url] = origin_of(base_url)
+        return where
 
     async def close(self) -> None:
         """Close the request connections (the aiohttp session is its owner's to close)."""
@@ -147,10 +148,11 @@ class EngineClient:
         return PrefillResult(params, elapsed_ms, int(ids[0]) if ids else None)
 
     async def _post_json(self, url: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-        base, _, path = url.partition("/v1/")
+        base, _, path = url.rpartition("/v1/")
+        origin, prefix = self._where(base)
         try:
             async with self.http.post(
-                self._origin(base), "/v1/" + path, orjson.dumps(body), timeout_s=timeout_s,
+                origin, f"{prefix}/v1/{path}", orjson.dumps(body), timeout_s=timeout_s,
                 connect_timeout_s=min(3.0, timeout_s),
             ) as r:  # fmt: skip
                 raw = await r.read()
@@ -176,9 +178,10 @@ class EngineClient:
         url = base_url + "/v1/completions"
         body = {**body, "model": self.model, "stream": True, "return_token_ids": True,
                 "stream_options": {"include_usage": True}}  # fmt: skip
+        origin, prefix = self._where(base_url)
         try:
             async with self.http.post(
-                self._origin(base_url), "/v1/completions", orjson.dumps(body),
+                origin, prefix + "/v1/completions", orjson.dumps(body),
                 timeout_s=timeout_s, connect_timeout_s=min(3.0, timeout_s),
             ) as r:  # fmt: skip
                 if r.status != 200:

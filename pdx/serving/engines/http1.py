@@ -21,14 +21,23 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import ssl
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import httptools
 
 MAX_BODY = 64 << 20  # a whole (non-streamed) answer, at most
 PAUSE_BYTES = 1 << 20  # a stream stops reading from the socket while this much is unread
 IDLE_PER_ORIGIN = 256  # keep-alive connections kept per instance (more are closed after use)
+
+
+class Origin(NamedTuple):
+    """Where an instance listens: its connections are pooled by this."""
+
+    host: str
+    port: int
+    tls: bool = False  # https: TLS with the system's trust store, the host's name verified
 
 
 class HTTPConnectionError(ConnectionError):
@@ -161,7 +170,7 @@ def _expire(w: asyncio.Future[None]) -> None:
 class Response:
     """An answer being read: its status, then its body whole or chunk by chunk."""
 
-    def __init__(self, client: HTTP1Client, origin: tuple[str, int], conn: _Conn,
+    def __init__(self, client: HTTP1Client, origin: Origin, conn: _Conn,
                  deadline: float) -> None:  # fmt: skip
         self._client, self._origin, self._conn, self.deadline = client, origin, conn, deadline
         self.status = conn.status
@@ -211,23 +220,32 @@ class Response:
 class HTTP1Client:
     """POSTs over pooled keep-alive connections, one per request in flight."""
 
-    def __init__(self, *, idle_per_origin: int = IDLE_PER_ORIGIN) -> None:
-        self._idle: dict[tuple[str, int], list[_Conn]] = {}
+    def __init__(
+        self, *, idle_per_origin: int = IDLE_PER_ORIGIN, tls: ssl.SSLContext | None = None
+    ) -> None:
+        self._idle: dict[Origin, list[_Conn]] = {}
         self._idle_max = idle_per_origin
         self._open: set[_Conn] = set()
         self._closed = False
+        self._tls = tls  # for https origins; None: the system's trust store, made when needed
 
-    async def _connect(self, origin: tuple[str, int], deadline: float) -> _Conn:
+    async def _connect(self, origin: Origin, deadline: float) -> _Conn:
         loop = asyncio.get_running_loop()
+        tls = None
+        if origin.tls:
+            tls = self._tls = self._tls or ssl.create_default_context()
         try:
             async with asyncio.timeout_at(deadline):
-                _, conn = await loop.create_connection(_Conn, origin[0], origin[1])
-        except OSError as exc:
-            raise HTTPConnectionError(f"connect to {origin[0]}:{origin[1]}: {exc}") from None
+                _, conn = await loop.create_connection(
+                    _Conn, origin.host, origin.port, ssl=tls,
+                    server_hostname=origin.host if tls else None,
+                )  # fmt: skip
+        except (OSError, ssl.SSLError) as exc:
+            raise HTTPConnectionError(f"connect to {origin.host}:{origin.port}: {exc}") from None
         self._open.add(conn)
         return conn
 
-    def _checkout(self, origin: tuple[str, int]) -> _Conn | None:
+    def _checkout(self, origin: Origin) -> _Conn | None:
         idle = self._idle.get(origin)
         while idle:
             conn = idle.pop()
@@ -241,7 +259,7 @@ class HTTP1Client:
         conn.close()
         self._open.discard(conn)
 
-    def _release(self, origin: tuple[str, int], conn: _Conn) -> None:
+    def _release(self, origin: Origin, conn: _Conn) -> None:
         idle = self._idle.setdefault(origin, [])
         if self._closed or not conn.keep_alive or not conn.usable or len(idle) >= self._idle_max:
             self._drop(conn)
@@ -252,7 +270,7 @@ class HTTP1Client:
 
     @contextlib.asynccontextmanager
     async def post(
-        self, origin: tuple[str, int], path: str, body: bytes, *, timeout_s: float,
+        self, origin: Origin, path: str, body: bytes, *, timeout_s: float,
         connect_timeout_s: float = 3.0,
     ) -> AsyncIterator[Response]:  # fmt: skip
         """POST ``body`` (JSON) to ``path``; the response once its headers are in.
@@ -264,9 +282,9 @@ class HTTP1Client:
         """
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
-        host = f"[{origin[0]}]" if ":" in origin[0] else origin[0]
+        host = f"[{origin.host}]" if ":" in origin.host else origin.host
         head = (
-            f"POST {path} HTTP/1.1\r\nHost: {host}:{origin[1]}\r\n"
+            f"POST {path} HTTP/1.1\r\nHost: {host}:{origin.port}\r\n"
             f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
         ).encode("latin-1")
         conn: _Conn | None = None
@@ -304,16 +322,19 @@ class HTTP1Client:
         self._idle.clear()
 
 
-def origin_of(base_url: str) -> tuple[str, int]:
-    """``http://host:port`` → (host, port); only plain HTTP (the instances' own API)."""
-    rest = base_url.removeprefix("http://")
-    if rest == base_url:
-        raise ValueError(f"{base_url!r}: only http:// instance URLs are supported")
-    hostport = rest.split("/", 1)[0]
-    host, sep, port = hostport.rpartition(":")
-    if not sep or not (port.isascii() and port.isdigit()):
-        return (hostport.strip("[]"), 80)
-    return (host.strip("[]"), int(port))
+def origin_of(base_url: str) -> tuple[Origin, str]:
+    """``http(s)://host[:port][/prefix]`` → its origin and path prefix (``""`` or ``/prefix``)."""
+    scheme, sep, rest = base_url.partition("://")
+    if not sep or scheme not in ("http", "https"):
+        raise ValueError(f"{base_url!r}: expected an http:// or https:// instance URL")
+    hostport, slash, prefix = rest.partition("/")
+    host, colon, port = hostport.rpartition(":")
+    if host.startswith("[") and not host.endswith("]"):  # [::1] without a port
+        host, colon = hostport, ""
+    if not colon or not (port.isascii() and port.isdigit()):
+        host, port = hostport, ("443" if scheme == "https" else "80")
+    path = ("/" + prefix).rstrip("/") if slash else ""
+    return Origin(host.strip("[]"), int(port), scheme == "https"), path
 
 
-__all__: list[Any] = ["HTTP1Client", "HTTPConnectionError", "Response", "origin_of"]
+__all__: list[Any] = ["HTTP1Client", "HTTPConnectionError", "Origin", "Response", "origin_of"]
