@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import socket
 from collections.abc import AsyncIterator
+from typing import Any
 
 import orjson
 import pytest
@@ -195,6 +196,19 @@ async def test_refused_and_closed_peers_raise_connection_errors() -> None:
     await c.close()
 
 
+async def _three_posts(handler: Any, pause_s: float) -> None:
+    """Three requests, ``pause_s`` apart, through one client to a raw server running ``handler``."""
+    server = await asyncio.start_server(handler, "127.0.0.1", 0)
+    origin = Origin("127.0.0.1", server.sockets[0].getsockname()[1])
+    c = HTTP1Client()
+    for _ in range(3):
+        assert await _post_json(c, origin, "/x", {}) == {}
+        await asyncio.sleep(pause_s)
+    server.close()
+    await server.wait_closed()
+    await c.close()
+
+
 @pytest.mark.parametrize("when", ["idle", "racing"])
 async def test_a_pooled_connection_the_server_closed_is_replaced(when: str) -> None:
     """The instance drops idle keep-alive connections (uvicorn after 5 s): a request that
@@ -219,18 +233,10 @@ async def test_a_pooled_connection_the_server_closed_is_replaced(when: str) -> N
                 await asyncio.sleep(0.05)
         writer.close()  # keep-alive promised, then closed
 
-    server = await asyncio.start_server(one_answer_then_close, "127.0.0.1", 0)
-    origin = Origin("127.0.0.1", server.sockets[0].getsockname()[1])
-    c = HTTP1Client()
-    for _ in range(3):
-        assert await _post_json(c, origin, "/x", {}) == {}
-        await asyncio.sleep(0.1)
+    await _three_posts(one_answer_then_close, 0.1)
     assert served == 3
     # racing: requests 2 and 3 each met a closing connection first and were sent again
     assert heads == (5 if when == "racing" else 3)
-    server.close()
-    await server.wait_closed()
-    await c.close()
 
 
 async def test_bytes_on_an_idle_connection_retire_it() -> None:
@@ -251,16 +257,8 @@ async def test_bytes_on_an_idle_connection_retire_it() -> None:
                 writer.write(b"HTTP/1.1 408 Request Timeout\r\nContent-Length: 0\r\n\r\n")
                 await writer.drain()
 
-    server = await asyncio.start_server(answer_then_babble, "127.0.0.1", 0)
-    origin = Origin("127.0.0.1", server.sockets[0].getsockname()[1])
-    c = HTTP1Client()
-    for _ in range(3):
-        assert await _post_json(c, origin, "/x", {}) == {}
-        await asyncio.sleep(0.15)
+    await _three_posts(answer_then_babble, 0.15)
     assert heads == 3  # each on a fresh connection: none read the stray 408 as its answer
-    server.close()
-    await server.wait_closed()
-    await c.close()
 
 
 def test_origins() -> None:

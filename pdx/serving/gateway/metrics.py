@@ -95,8 +95,6 @@ class GatewayMetrics:
         self._success = Counter("pdx:request_success", "Finished requests by finish reason",
                                 [*label, "finished_reason"], registry=r)  # fmt: skip
         m = self.model_name
-        # the success counter's model label fixed: what remains is the finish reason
-        self._success_m = _Bound(self._success, m)
         self.itl = self._itl.labels(m)
         self.running = self._running.labels(m)
         self.waiting = self._waiting.labels(m)
@@ -105,14 +103,14 @@ class GatewayMetrics:
         # through labels() (its validation and lock) on every request.
         self._ttft_m, self._tpot_m = self._ttft.labels(m), self._tpot.labels(m)
         self._e2e_m, self._prompt_tokens_m = self._e2e.labels(m), self._prompt_tokens.labels(m)
-        self._by_label: dict[tuple[object, str], Any] = {}
+        self._by_label: dict[tuple[object, tuple[str, ...]], Any] = {}
 
-    def _child(self, metric: Any, value: str) -> Any:
-        """``metric.labels(value)`` (route-, or finish-reason-labelled), looked up once."""
-        key = (metric, value)
+    def _child(self, metric: Any, *values: str) -> Any:
+        """``metric.labels(*values)``, looked up once."""
+        key = (metric, values)
         child = self._by_label.get(key)
         if child is None:
-            child = self._by_label[key] = metric.labels(value)
+            child = self._by_label[key] = metric.labels(*values)
         return child
 
     def finished(
@@ -135,15 +133,4 @@ class GatewayMetrics:
         self._e2e_m.observe(e2e_s)
         if prompt_tokens:
             self._prompt_tokens_m.inc(prompt_tokens)
-        self._child(self._success_m, finish_reason or "abort").inc()
-
-
-class _Bound:
-    """A labelled metric with its first label fixed: ``labels(rest)`` is ``labels(first, rest)``."""
-
-    def __init__(self, metric: Any, first: str) -> None:
-        self.metric, self.first = metric, first
-
-    def labels(self, value: str) -> Any:
-        """The child for (first, value)."""
-        return self.metric.labels(self.first, value)
+        self._child(self._success, self.model_name, finish_reason or "abort").inc()
