@@ -310,6 +310,8 @@ class Gateway:
         return await self._complete(request, req)
 
     async def _json(self, request: web.Request) -> dict[str, Any]:
+        if request.content.is_eof():  # the whole body came with the headers: nothing to wait for
+            return parse_json(await request.read())
         try:
             async with asyncio.timeout(self.cfg.body_timeout_s):
                 raw = await request.read()

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal, TypeVar
 
@@ -394,8 +393,9 @@ class ModelList(BaseModel):
 # --- parsing -----------------------------------------------------------------------------
 
 
-# A run of 19+ digits: an integer orjson would turn into a float (it keeps 64 bits).
-_LONG_NUMBER = re.compile(rb"[0-9]{19}")
+# A run of 19+ digits (an integer orjson would make a float): digits mapped to "0", the rest to
+# " ", then 19 zeros looked for; two C passes, ~10x quicker than a regular expression.
+_DIGITS, _LONG_NUMBER = bytes(48 if 48 <= b <= 57 else 32 for b in range(256)), b"0" * 19
 
 
 def _loads(raw: bytes) -> Any:
@@ -403,7 +403,7 @@ def _loads(raw: bytes) -> Any:
     ~10x faster). What orjson refuses but the standard library accepts (NaN, lone surrogates,
     UTF-16, nesting past 1,024, 1e400) and integers past 64 bits (orjson: floats) go to the
     standard library as before: what a request means and every error it gets stay the same."""
-    if _LONG_NUMBER.search(raw) is None:
+    if _LONG_NUMBER not in raw.translate(_DIGITS):
         try:
             return orjson.loads(raw)
         except orjson.JSONDecodeError:
@@ -681,8 +681,8 @@ def resolve(
 def _check_vocab(ids: list[int], bias: dict[str, float] | None, vocab: int | None) -> None:
     if vocab is None:
         return
-    bad = next((t for t in ids if t >= vocab), None)
-    if bad is not None:
+    if ids and max(ids) >= vocab:  # max() in C; the first offender only for the message
+        bad = next(t for t in ids if t >= vocab)
         raise bad_request("prompt", f"prompt: token id {bad} is outside the vocabulary "
                           f"[0, {vocab})")  # fmt: skip
     for token in bias or {}:
