@@ -13,7 +13,9 @@ In one run:
    documentation and toy proxy send: no ``ignore_eos`` on the prefill request, the remote
    fields spelled out empty), ``pdx`` and ``vllm-router``; the overhead of each is its median
    (and p99) against ``two-step``, and the median of its per-round differences from
-   ``two-step`` with a 90 % interval (the two one-sided 95 % order-statistic bounds);
+   ``two-step`` with a 90 % interval (the two one-sided 95 % order-statistic bounds); the p99
+   overhead with bounds from each side's bounds on its p99 (``--requests 300`` or more for an
+   upper one);
 2. throughput: ``--users`` closed-loop users for ``--load-s`` through each front;
 3. prefill killed mid-run (SIGKILL to its process group, the deploy restarts it): an
    open-loop load (``--kill-rps``) for ``--kill-window-s`` through each front in turn (open
@@ -280,8 +282,22 @@ async def latency(
             out[name]["ttft_p99_overhead_ms"] = round(
                 out[name]["ttft_p99_ms"] - base["ttft_p99_ms"], 2
             )
+            out[name]["ttft_p99_overhead_bounds_ms"] = _p99_overhead(rows[name], rows["two-step"])
             out[name]["tpot_overhead_ms"] = round(out[name]["tpot_ms"] - base["tpot_ms"], 3)
     return out
+
+
+def _p99_overhead(front: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, Any]:
+    """Bounds on p99(front) − p99(two-step) from each side's distribution-free 95 % bounds on
+    its p99 (front's low − base's high, front's high − base's low: together a 90 % interval
+    or wider); a p99's upper bound needs 299 requests, so shorter runs leave ``high`` None."""
+    from pdx.accept import confidence as ci
+
+    f = ci.quantile_bounds([r["ttft_s"] * 1e3 for r in front if r.get("ok")], 0.99, 0.95)
+    b = ci.quantile_bounds([r["ttft_s"] * 1e3 for r in base if r.get("ok")], 0.99, 0.95)
+    low = None if f.low is None or b.high is None else round(f.low - b.high, 2)
+    high = None if f.high is None or b.low is None else round(f.high - b.low, 2)
+    return {"low": low, "high": high}
 
 
 def _paired(front: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float] | None:

@@ -281,11 +281,20 @@ async def replay(
     extra_body: dict[str, Any],
     model: str,
     timeout_s: float,
+    tie_logprob: float = 0.0,
 ) -> dict[str, Any]:
-    """Send each candidate again on the local route (decode prefills it); compare token ids."""
+    """Send each candidate again on the local route (decode prefills it); compare token ids.
+
+    With ``tie_logprob`` > 0 the replay also asks for each token's top logprobs (by token id):
+    a replay whose first differing token was, in the replay's own logprobs, within
+    ``tie_logprob`` nats of the token it chose is a near-tie (an engine whose kernels depend on
+    the batch moves logprobs by a few hundredths of a nat in bf16): counted and shown, not a
+    mismatch. A first difference farther apart, or not among the top alternatives, is one.
+    """
     import aiohttp
 
     mismatches: list[dict[str, Any]] = []
+    ties: list[dict[str, Any]] = []
     errors = 0
     timeout = aiohttp.ClientTimeout(total=timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
@@ -305,17 +314,22 @@ async def replay(
                 "cache_salt": f"pdx-replay-{salt}-{i}",
                 **({"model": model} if model else {}),
             }
+            if tie_logprob > 0:
+                body.update(logprobs=TIE_TOP, return_tokens_as_token_ids=True)
             try:
                 async with session.post(url + "/v1/completions", json=body) as resp:
                     data = await resp.json(content_type=None) if resp.status == 200 else None
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 data = None
-            ids = ((data or {}).get("choices") or [{}])[0].get("token_ids")
+            choice = ((data or {}).get("choices") or [{}])[0]
+            ids = choice.get("token_ids")
             if ids is None:
                 errors += 1
                 continue
             if list(ids) != list(r["output_ids"]):
-                mismatches.append(_mismatch(r, list(ids)))
+                seen = _mismatch(r, list(ids), choice.get("logprobs"))
+                gap = seen["logprob_gap"]
+                (ties if gap is not None and gap <= tie_logprob else mismatches).append(seen)
     return {
         # every replay sent stays in the denominator: one that errored is neither a match nor
         # a mismatch, and the criterion's bounds count it both ways
@@ -323,18 +337,33 @@ async def replay(
         "replay_mismatches": len(mismatches),
         "replay_errors": errors,
         "replay_mismatch_examples": mismatches[:3],
-    }
+        **({"replay_near_ties": len(ties), "replay_near_tie_examples": ties[:3],
+            "replay_tie_logprob": tie_logprob} if tie_logprob > 0 else {}),
+    }  # fmt: skip
 
 
-def _mismatch(r: dict[str, Any], local: list[int]) -> dict[str, Any]:
+TIE_TOP = 5  # alternatives per token a near-tie replay asks for
+
+
+def _mismatch(r: dict[str, Any], local: list[int], logprobs: Any = None) -> dict[str, Any]:
+    """Where the replay first differs; with the replay's logprobs (tokens as ``token_id:N``),
+    how far below its own choice the shipped run's token was there (None: not among them)."""
     shipped = list(r["output_ids"])
     first = next((i for i, (a, b) in enumerate(zip(shipped, local, strict=False)) if a != b),
                  min(len(shipped), len(local)))  # fmt: skip
+    gap = None
+    if isinstance(logprobs, dict) and first < min(len(shipped), len(local)):
+        tops = logprobs.get("top_logprobs") or []
+        chosen = logprobs.get("token_logprobs") or []
+        if first < min(len(tops), len(chosen)) and tops[first] and chosen[first] is not None:
+            other = tops[first].get(f"token_id:{shipped[first]}")
+            gap = None if other is None else round(float(chosen[first]) - float(other), 6)
     return {
         "kv_id": r["pdx"].get("kv_id"),
         "first_difference_at_token": first,
         "disaggregated": shipped[:16],
         "local": local[:16],
+        "logprob_gap": gap,
     }
 
 
@@ -361,6 +390,7 @@ class GateContext:
     model: str = ""
     timeout_s: float = 120.0
     replay_requests: int = 16
+    replay_tie_logprob: float = 0.0
     idle_burst_s: float = 1.0
     seed: int = 0
     # engine: vllm — where prefill's KV usage is read (the gateway's /metrics) for the
@@ -468,5 +498,6 @@ async def _replay_facts(
             "token ids (needs return_token_ids and a pdx gateway)"
         )
         return
-    result = await replay(ctx.url, picked, ctx.extra_body, ctx.model, ctx.timeout_s)
+    result = await replay(ctx.url, picked, ctx.extra_body, ctx.model, ctx.timeout_s,
+                          ctx.replay_tie_logprob)  # fmt: skip
     facts.update(result)

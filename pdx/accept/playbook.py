@@ -259,6 +259,13 @@ class Judgement(BaseModel):
         description="per step, greedy requests replayed on the local route (output_mismatch_max; "
         "a threshold of 0 needs 299 with none mismatched to bound the rate to 1 % at 95 %)",
     )
+    replay_tie_logprob: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = Field(
+        default=0.0,
+        description="nats: a replay whose first differing token was within this of the "
+        "replay's own choice (its logprobs) is a near-tie, shown but not a mismatch: for engines "
+        "whose kernels depend on the batch (vLLM in bf16 moved logprobs by up to 0.03 nat); "
+        "0 = every difference is a mismatch",
+    )
     zero_rate_bound: Annotated[float, Field(gt=0, lt=1, allow_inf_nan=False)] = Field(
         default=0.01,
         description="a rate threshold of 0 passes only when none was observed and the sample "

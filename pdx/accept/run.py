@@ -265,6 +265,7 @@ class AcceptRun:
             model=pb.target.model,
             timeout_s=pb.load.timeout_s,
             replay_requests=pb.judgement.replay_requests,
+            replay_tie_logprob=pb.judgement.replay_tie_logprob,
             idle_burst_s=pb.judgement.idle_burst_s,
             seed=pb.seed,
             metrics_url=metrics_url,

@@ -217,6 +217,31 @@ def test_logprobs_echo_min_tokens(client: openai.OpenAI) -> None:
     assert held.usage.completion_tokens == 5 and ids_of(held.choices[0])[-1] == 1
 
 
+def test_tokens_as_token_ids_name_every_logprob_by_its_id(client: openai.OpenAI) -> None:
+    # vLLM's return_tokens_as_token_ids: "token_id:N" for the chosen token and its alternatives,
+    # the same ids the choice's token_ids give (what a replay needs to find a token exactly).
+    r = complete(client, logprobs=3, max_tokens=5,
+                 extra_body={"return_tokens_as_token_ids": True})  # fmt: skip
+    lp, ids = r.choices[0].logprobs, ids_of(r.choices[0])
+    assert lp.tokens == [f"token_id:{t}" for t in ids]
+    for token, value, top in zip(lp.tokens, lp.token_logprobs, lp.top_logprobs, strict=True):
+        assert len(top) == 3 and all(k.startswith("token_id:") for k in top)
+        assert top[token] == pytest.approx(value) == pytest.approx(max(top.values()))
+    plain = complete(client, logprobs=3, max_tokens=5)
+    assert not any(t.startswith("token_id:") for t in plain.choices[0].logprobs.tokens)
+    chat = client.chat.completions.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+    )
+    content = chat.choices[0].logprobs.content
+    assert all(t.token.startswith("token_id:") for t in content)
+    assert all(a.token.startswith("token_id:") for t in content for a in t.top_logprobs)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "param"),
     [

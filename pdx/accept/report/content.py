@@ -303,7 +303,10 @@ def gate_lines(report: Report) -> list[str]:
             parts.append(
                 f"replay on the local route: {sm.get('replay_mismatches', 0)} of "
                 f"{sm['replayed']} greedy requests gave other tokens"
-            )
+                + (f" ({sm['replay_near_ties']} more differed at a near-tie, within "
+                   f"{sm['replay_tie_logprob']} nat of the replay's choice)"
+                   if sm.get("replay_near_ties") else "")
+            )  # fmt: skip
         if sm.get("kv_stranded_source") == "prefill_kv_usage":
             held = sm.get("kv_stranded_max_s")
             parts.append(

@@ -143,15 +143,14 @@ class SamplingFields(BaseModel):
         None, ge=0, lt=2**31, description="(vLLM) EOS and stop strings not before this many"
     )
     return_token_ids: bool | None = Field(None, description="(vLLM) token ids in each choice")
+    return_tokens_as_token_ids: bool | None = Field(None, description="(vLLM) token_id:N tokens")
     pdx_route: Literal["auto", "disaggregated", "local"] | None = Field(
         None, description="force a path (default auto)"
     )
     pdx_kv_codec: str | None = Field(None, description="KV codec for this request")
-    cache_salt: str | None = Field(
-        None, min_length=1, max_length=256,
-        description="(vLLM) prefix-cache salt: requests with different salts share no cached KV "
-        "(pdx's own engine keeps no prefix cache)",
-    )  # fmt: skip
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, description="(vLLM) "
+        "prefix-cache salt: requests with different salts share no cached KV (pdx's own engine "
+        "keeps no prefix cache)")  # fmt: skip
     # Accepted, no effect on the output (see IGNORED_FIELDS).
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -576,6 +575,7 @@ class CompletionRequest:
     continuous_usage: bool = False
     prompt_text: str = ""  # for echo
     cache_salt: str = ""  # passed to vLLM engines; "" = none
+    tokens_as_ids: bool = False  # logprobs name tokens "token_id:N"
 
 
 @dataclass
@@ -675,6 +675,7 @@ def resolve(
         continuous_usage=bool(opts and opts.continuous_usage_stats),
         prompt_text=prompt_text,
         cache_salt=body.cache_salt or "",
+        tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )
 
 
@@ -693,8 +694,6 @@ def _check_vocab(ids: list[int], bias: dict[str, float] | None, vocab: int | Non
 
 def usage(req: CompletionRequest, completion_tokens: int) -> dict[str, int]:
     """The OpenAI ``usage`` object (completion tokens summed over the choices)."""
-    return {
-        "prompt_tokens": len(req.prompt_ids),
-        "completion_tokens": completion_tokens,
-        "total_tokens": len(req.prompt_ids) + completion_tokens,
-    }
+    prompt = len(req.prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens}  # fmt: skip

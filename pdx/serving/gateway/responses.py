@@ -46,16 +46,23 @@ class LogprobFormatter:
     def __init__(self, tokenizer: Tokenizer, req: CompletionRequest) -> None:
         self.tokenizer, self.req = tokenizer, req
 
+    def _text(self, token: int) -> tuple[str, list[int]]:
+        """The token as logprobs name it: its text, or ``token_id:N`` when the request set
+        vLLM's ``return_tokens_as_token_ids`` (exact where text is ambiguous)."""
+        if self.req.tokens_as_ids:
+            return f"token_id:{token}", list(self.tokenizer.token_bytes(token))
+        return token_text(self.tokenizer, token)
+
     def chat(self, lps: list[serving_pb2.TokenLogprob | None]) -> dict[str, Any]:
         """``{"content": [{token, logprob, bytes, top_logprobs}]}``."""
         content = []
         for lp in lps:
             if lp is None:
                 continue
-            text, raw = token_text(self.tokenizer, lp.token_id)
+            text, raw = self._text(lp.token_id)
             top = []
             for tid, value in zip(lp.top_ids, lp.top_logprobs, strict=True):
-                t_text, t_raw = token_text(self.tokenizer, tid)
+                t_text, t_raw = self._text(tid)
                 top.append({"token": t_text, "logprob": value, "bytes": t_raw})
             content.append({"token": text, "logprob": lp.logprob, "bytes": raw,
                             "top_logprobs": top})  # fmt: skip
@@ -70,12 +77,12 @@ class LogprobFormatter:
         for lp in lps:
             if lp is None:
                 continue
-            text, _ = token_text(self.tokenizer, lp.token_id)
+            text, _ = self._text(lp.token_id)
             tokens.append(text)
             values.append(lp.logprob)
             offsets.append(offset)
             offset += len(self.tokenizer.decode([lp.token_id]))
-            tops.append({token_text(self.tokenizer, t)[0]: v
+            tops.append({self._text(t)[0]: v
                          for t, v in zip(lp.top_ids, lp.top_logprobs, strict=True)})  # fmt: skip
         return {"tokens": tokens, "token_logprobs": values,
                 "top_logprobs": tops if self.req.logprobs else None,
