@@ -19,6 +19,7 @@ and the engine stranded-KV watch, which reads the gateway's metrics.
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
 import json
 import random
@@ -282,9 +283,12 @@ async def replay(
     model: str,
     timeout_s: float,
     tie_logprob: float = 0.0,
+    concurrency: int = 1,
 ) -> dict[str, Any]:
     """Send each candidate again on the local route (decode prefills it); compare token ids.
 
+    Up to ``concurrency`` replays are in flight at once (the originals ran under load too; one
+    at a time, 300 replays of a real model's requests would take minutes per step).
     With ``tie_logprob`` > 0 the replay also asks for each token's top logprobs (by token id):
     a replay whose first differing token was, in the replay's own logprobs, within
     ``tie_logprob`` nats of the token it chose is a near-tie (an engine whose kernels depend on
@@ -293,43 +297,48 @@ async def replay(
     """
     import aiohttp
 
-    mismatches: list[dict[str, Any]] = []
-    ties: list[dict[str, Any]] = []
-    errors = 0
-    timeout = aiohttp.ClientTimeout(total=timeout_s)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        salt = secrets.token_hex(6)
-        for i, r in enumerate(candidates):
-            body = {
-                **extra_body,
-                "prompt": r["prompt_ids"],
-                "max_tokens": r["output_len_requested"],
-                "temperature": 0,
-                "stream": False,
-                "return_token_ids": True,
-                "pdx_route": "local",
-                # A salt of its own: a vLLM decode keeps the blocks it pulled for the original
-                # request in its prefix cache, and without one the replay would read them again
-                # instead of prefilling the prompt (no effect on pdx's own engine).
-                "cache_salt": f"pdx-replay-{salt}-{i}",
-                **({"model": model} if model else {}),
-            }
-            if tie_logprob > 0:
-                body.update(logprobs=TIE_TOP, return_tokens_as_token_ids=True)
+    salt = secrets.token_hex(6)
+    gate = asyncio.Semaphore(max(1, concurrency))
+
+    async def one(session: aiohttp.ClientSession, i: int, r: dict[str, Any]) -> dict[str, Any]:
+        body = {
+            **extra_body,
+            "prompt": r["prompt_ids"],
+            "max_tokens": r["output_len_requested"],
+            "temperature": 0,
+            "stream": False,
+            "return_token_ids": True,
+            "pdx_route": "local",
+            # A salt of its own: a vLLM decode keeps the blocks it pulled for the original
+            # request in its prefix cache, and without one the replay would read them again
+            # instead of prefilling the prompt (no effect on pdx's own engine).
+            "cache_salt": f"pdx-replay-{salt}-{i}",
+            **({"model": model} if model else {}),
+        }
+        if tie_logprob > 0:
+            body.update(logprobs=TIE_TOP, return_tokens_as_token_ids=True)
+        async with gate:
             try:
                 async with session.post(url + "/v1/completions", json=body) as resp:
                     data = await resp.json(content_type=None) if resp.status == 200 else None
             except (aiohttp.ClientError, TimeoutError, ValueError):
                 data = None
-            choice = ((data or {}).get("choices") or [{}])[0]
-            ids = choice.get("token_ids")
-            if ids is None:
-                errors += 1
-                continue
-            if list(ids) != list(r["output_ids"]):
-                seen = _mismatch(r, list(ids), choice.get("logprobs"))
-                gap = seen["logprob_gap"]
-                (ties if gap is not None and gap <= tie_logprob else mismatches).append(seen)
+        return ((data or {}).get("choices") or [{}])[0]
+
+    timeout = aiohttp.ClientTimeout(total=timeout_s)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        answers = await asyncio.gather(*(one(session, i, r) for i, r in enumerate(candidates)))
+    mismatches: list[dict[str, Any]] = []
+    ties: list[dict[str, Any]] = []
+    errors = 0
+    for r, choice in zip(candidates, answers, strict=True):
+        ids = choice.get("token_ids")
+        if ids is None:
+            errors += 1
+        elif list(ids) != list(r["output_ids"]):
+            seen = _mismatch(r, list(ids), choice.get("logprobs"))
+            gap = seen["logprob_gap"]
+            (ties if gap is not None and gap <= tie_logprob else mismatches).append(seen)
     return {
         # every replay sent stays in the denominator: one that errored is neither a match nor
         # a mismatch, and the criterion's bounds count it both ways
@@ -391,6 +400,7 @@ class GateContext:
     timeout_s: float = 120.0
     replay_requests: int = 16
     replay_tie_logprob: float = 0.0
+    replay_concurrency: int = 1
     idle_burst_s: float = 1.0
     seed: int = 0
     # engine: vllm — where prefill's KV usage is read (the gateway's /metrics) for the
@@ -499,5 +509,5 @@ async def _replay_facts(
         )
         return
     result = await replay(ctx.url, picked, ctx.extra_body, ctx.model, ctx.timeout_s,
-                          ctx.replay_tie_logprob)  # fmt: skip
+                          ctx.replay_tie_logprob, ctx.replay_concurrency)  # fmt: skip
     facts.update(result)

@@ -259,6 +259,11 @@ class Judgement(BaseModel):
         description="per step, greedy requests replayed on the local route (output_mismatch_max; "
         "a threshold of 0 needs 299 with none mismatched to bound the rate to 1 % at 95 %)",
     )
+    replay_concurrency: Annotated[int, Field(ge=1, le=64)] = Field(
+        default=4,
+        description="replays in flight at once (the originals ran under load too; one at a "
+        "time, 300 replays of a real model's requests take minutes per step)",
+    )
     replay_tie_logprob: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = Field(
         default=0.0,
         description="nats: a replay whose first differing token was within this of the "

@@ -266,6 +266,7 @@ class AcceptRun:
             timeout_s=pb.load.timeout_s,
             replay_requests=pb.judgement.replay_requests,
             replay_tie_logprob=pb.judgement.replay_tie_logprob,
+            replay_concurrency=pb.judgement.replay_concurrency,
             idle_burst_s=pb.judgement.idle_burst_s,
             seed=pb.seed,
             metrics_url=metrics_url,

@@ -9,6 +9,7 @@ tests/serving/test_openai_sdk.py.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -39,10 +40,16 @@ def _logprobs(tokens: list[int], tops: dict[int, dict[int, float]]) -> dict[str,
 @pytest.fixture
 async def server() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
     seen: list[dict[str, Any]] = []
+    flight = {"now": 0, "most": 0}
 
     async def completions(request: web.Request) -> web.Response:
         body = await request.json()
         seen.append(body)
+        flight["now"] += 1
+        flight["most"] = max(flight["most"], flight["now"])
+        await asyncio.sleep(0.05)  # long enough for replays sent at once to overlap
+        flight["now"] -= 1
+        body["_in_flight_most"] = flight["most"]
         tokens, tops = ANSWERS[body["prompt"][0]]
         choice: dict[str, Any] = {"index": 0, "text": "", "token_ids": tokens,
                                   "finish_reason": "length"}  # fmt: skip
@@ -71,7 +78,7 @@ def _candidates() -> list[dict[str, Any]]:
 
 async def test_a_near_tie_is_shown_and_not_counted_a_farther_difference_is(server: Any) -> None:
     url, seen = server
-    got = await replay(url, _candidates(), {}, "", 10.0, tie_logprob=0.06)
+    got = await replay(url, _candidates(), {}, "", 10.0, tie_logprob=0.06, concurrency=2)
     assert (got["replayed"], got["replay_mismatches"], got["replay_errors"]) == (4, 2, 0)
     assert got["replay_near_ties"] == 1 and got["replay_tie_logprob"] == 0.06
     (tie,) = got["replay_near_tie_examples"]
@@ -83,6 +90,7 @@ async def test_a_near_tie_is_shown_and_not_counted_a_farther_difference_is(serve
     # the replay asked for the logprobs it needs, by token id, on the local route
     assert all(b["logprobs"] == 5 and b["return_tokens_as_token_ids"] for b in seen)
     assert all(b["pdx_route"] == "local" and b["temperature"] == 0 for b in seen)
+    assert max(b["_in_flight_most"] for b in seen) == 2  # judgement.replay_concurrency
 
 
 async def test_without_a_tie_tolerance_every_difference_is_a_mismatch(server: Any) -> None:
@@ -91,3 +99,4 @@ async def test_without_a_tie_tolerance_every_difference_is_a_mismatch(server: An
     assert (got["replayed"], got["replay_mismatches"]) == (4, 3)
     assert "replay_near_ties" not in got
     assert not any("logprobs" in b for b in seen)  # nothing asked beyond the tokens
+    assert max(b["_in_flight_most"] for b in seen) == 1  # one at a time unless asked
