@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from local_app import serving
 
 from pdx.accept.gates import replay
 
@@ -59,15 +60,8 @@ async def server() -> AsyncIterator[tuple[str, list[dict[str, Any]]]]:
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}", seen
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url, seen
 
 
 def _candidates() -> list[dict[str, Any]]:

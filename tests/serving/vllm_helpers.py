@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
+from local_app import serving
 
 from pdx.serving.deploy_config import load_deploy_config
 from pdx.serving.engines.env import VENV_NAME, EngineUnavailable, discover
@@ -118,15 +119,8 @@ async def side_channel_cut(prefill: str) -> AsyncIterator[str]:
     app = web.Application()
     app.router.add_post("/v1/completions", relay)
     app.router.add_get("/health", lambda _: web.json_response({}))
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url:
+        yield url
 
 
 def engine_gateway(prefill: str, decode: str, model: str) -> Any:
