@@ -337,8 +337,8 @@ async def replay(
             errors += 1
         elif list(ids) != list(r["output_ids"]):
             seen = _mismatch(r, list(ids), choice.get("logprobs"))
-            gap = seen["logprob_gap"]
-            (ties if gap is not None and gap <= tie_logprob else mismatches).append(seen)
+            gap = seen["logprob_gap"]  # < 0: the logprobs do not show the choice; no tie
+            (ties if gap is not None and 0 <= gap <= tie_logprob else mismatches).append(seen)
     return {
         # every replay sent stays in the denominator: one that errored is neither a match nor
         # a mismatch, and the criterion's bounds count it both ways

@@ -27,6 +27,9 @@ ANSWERS: dict[int, tuple[list[int], dict[int, dict[int, float]]]] = {
     2: ([5, 6, 9, 10], {2: {9: -0.50, 7: -0.52}}),  # 0.02 nat apart: a near-tie
     3: ([5, 11, 12, 13], {1: {11: -0.50, 6: -1.00}}),  # 0.5 nat apart: a mismatch
     4: ([14, 15, 16, 17], {0: {14: -0.50, 3: -2.0}}),  # shipped token not offered: a mismatch
+    # logprobs that rank the shipped token above the replay's own choice do not show how the
+    # choice was made (a penalty, another distribution): not a tie
+    5: ([5, 18, 19, 20], {1: {18: -0.50, 6: -0.49}}),
 }
 
 
@@ -73,7 +76,7 @@ def _candidates() -> list[dict[str, Any]]:
 async def test_a_near_tie_is_shown_and_not_counted_a_farther_difference_is(server: Any) -> None:
     url, seen = server
     got = await replay(url, _candidates(), {}, "", 10.0, tie_logprob=0.06, concurrency=2)
-    assert (got["replayed"], got["replay_mismatches"], got["replay_errors"]) == (4, 2, 0)
+    assert (got["replayed"], got["replay_mismatches"], got["replay_errors"]) == (5, 3, 0)
     assert got["replay_near_ties"] == 1 and got["replay_tie_logprob"] == 0.06
     (tie,) = got["replay_near_tie_examples"]
     assert tie["kv_id"] == "kv-2" and tie["first_difference_at_token"] == 2
@@ -81,6 +84,7 @@ async def test_a_near_tie_is_shown_and_not_counted_a_farther_difference_is(serve
     by_kv = {m["kv_id"]: m for m in got["replay_mismatch_examples"]}
     assert by_kv["kv-3"]["logprob_gap"] == pytest.approx(0.5)  # too far apart for a tie
     assert by_kv["kv-4"]["logprob_gap"] is None  # the shipped token was not among the top
+    assert by_kv["kv-5"]["logprob_gap"] == pytest.approx(-0.01)  # ranked above the choice
     # the replay asked for the logprobs it needs, by token id, on the local route
     assert all(b["logprobs"] == 5 and b["return_tokens_as_token_ids"] for b in seen)
     assert all(b["pdx_route"] == "local" and b["temperature"] == 0 for b in seen)
@@ -90,7 +94,7 @@ async def test_a_near_tie_is_shown_and_not_counted_a_farther_difference_is(serve
 async def test_without_a_tie_tolerance_every_difference_is_a_mismatch(server: Any) -> None:
     url, seen = server
     got = await replay(url, _candidates(), {}, "", 10.0)
-    assert (got["replayed"], got["replay_mismatches"]) == (4, 3)
+    assert (got["replayed"], got["replay_mismatches"]) == (5, 4)
     assert "replay_near_ties" not in got
     assert not any("logprobs" in b for b in seen)  # nothing asked beyond the tokens
     assert max(b["_in_flight_most"] for b in seen) == 1  # one at a time unless asked
