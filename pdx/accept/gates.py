@@ -287,8 +287,9 @@ async def replay(
 ) -> dict[str, Any]:
     """Send each candidate again on the local route (decode prefills it); compare token ids.
 
-    Up to ``concurrency`` replays are in flight at once (the originals ran under load too; one
-    at a time, 300 replays of a real model's requests would take minutes per step).
+    Up to ``concurrency`` replays are in flight at once (1: each alone on decode; more is
+    quicker but batches them, which an engine whose kernels depend on the batch answers with
+    its own near-tie swaps).
     With ``tie_logprob`` > 0 the replay also asks for each token's top logprobs (by token id):
     a replay whose first differing token was, in the replay's own logprobs, within
     ``tie_logprob`` nats of the token it chose is a near-tie (an engine whose kernels depend on

@@ -260,9 +260,11 @@ class Judgement(BaseModel):
         "a threshold of 0 needs 299 with none mismatched to bound the rate to 1 % at 95 %)",
     )
     replay_concurrency: Annotated[int, Field(ge=1, le=64)] = Field(
-        default=4,
-        description="replays in flight at once (the originals ran under load too; one at a "
-        "time, 300 replays of a real model's requests take minutes per step)",
+        default=1,
+        description="replays in flight at once; 1 = each alone on decode. More is quicker (300 "
+        "replays of a real model take minutes one by one) but batches them, and an engine whose "
+        "kernels depend on the batch may then swap a near-tied token (pdx's tiny model did, 1 of "
+        "300 at 4): pair it with replay_tie_logprob",
     )
     replay_tie_logprob: Annotated[float, Field(ge=0, le=1, allow_inf_nan=False)] = Field(
         default=0.0,
