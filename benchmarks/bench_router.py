@@ -295,9 +295,9 @@ def _p99_overhead(front: list[dict[str, Any]], base: list[dict[str, Any]]) -> di
 
     f = ci.quantile_bounds([r["ttft_s"] * 1e3 for r in front if r.get("ok")], 0.99, 0.95)
     b = ci.quantile_bounds([r["ttft_s"] * 1e3 for r in base if r.get("ok")], 0.99, 0.95)
-    low = None if f.low is None or b.high is None else round(f.low - b.high, 2)
-    high = None if f.high is None or b.low is None else round(f.high - b.low, 2)
-    return {"low": low, "high": high}
+    d = ci.difference_bounds(f, b)
+    return {"low": None if d.low is None else round(d.low, 2),
+            "high": None if d.high is None else round(d.high, 2)}  # fmt: skip
 
 
 def _paired(front: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str, float] | None:

@@ -66,6 +66,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import statistics
@@ -245,17 +246,15 @@ async def start_deployment(sets: list[str]) -> tuple[asyncio.subprocess.Process,
         *argv, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
     )
     assert proc.stdout is not None
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        line = await asyncio.wait_for(proc.stdout.readline(), timeout=180)
-        if not line:
-            break
-        if line.startswith(b"DEPLOYMENT "):
-            # whatever the deployment prints later goes on to our stderr, so its pipe
-            # never fills and stalls it
-            DRAINS.add(asyncio.ensure_future(_drain(proc.stdout)))
-            return proc, json.loads(line[len(b"DEPLOYMENT ") :])
-        sys.stderr.buffer.write(line)
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(180):
+            while line := await proc.stdout.readline():
+                if line.startswith(b"DEPLOYMENT "):
+                    # what the deployment prints later goes on to our stderr, so its pipe
+                    # never fills and stalls it
+                    DRAINS.add(asyncio.ensure_future(_drain(proc.stdout)))
+                    return proc, json.loads(line[len(b"DEPLOYMENT ") :])
+                sys.stderr.buffer.write(line)
     proc.kill()
     raise SystemExit("the deployment did not start (its output is above)")
 
@@ -477,10 +476,13 @@ def p99_bounds(values: list[float]) -> dict[str, float | None]:
 def p99_difference(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, Any]:
     """p99(a) − p99(b) with bounds from each side's (a's low − b's high, a's high − b's low:
     together at least a 90 % interval when each side's bounds are)."""
+    from pdx.accept.confidence import Bounds, difference_bounds
+
     assert a["p99"] is not None and b["p99"] is not None
-    low = None if a["low"] is None or b["high"] is None else round(a["low"] - b["high"], 3)
-    high = None if a["high"] is None or b["low"] is None else round(a["high"] - b["low"], 3)
-    return {"median": round(a["p99"] - b["p99"], 3), "low": low, "high": high}
+    d = difference_bounds(Bounds(a["low"], a["high"]), Bounds(b["low"], b["high"]))
+    return {"median": round(a["p99"] - b["p99"], 3),
+            "low": None if d.low is None else round(d.low, 3),
+            "high": None if d.high is None else round(d.high, 3)}  # fmt: skip
 
 
 BASELINE_WORDS = {

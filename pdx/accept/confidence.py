@@ -89,6 +89,14 @@ def quantile_bounds(values: Sequence[float], q: float, confidence: float) -> Bou
     )
 
 
+def difference_bounds(a: Bounds, b: Bounds) -> Bounds:
+    """Bounds on a − b from bounds on each (a's low − b's high, a's high − b's low): when each
+    side's two bounds hold at c, these hold together at 1 − 2(1 − c) or better."""
+    low = None if a.low is None or b.high is None else a.low - b.high
+    high = None if a.high is None or b.low is None else a.high - b.low
+    return Bounds(low, high)
+
+
 def mean_bounds(values: Sequence[float], confidence: float) -> Bounds:
     """Student t bounds on the mean (None on both sides with fewer than two values)."""
     xs = np.asarray(values, dtype=float)

@@ -202,3 +202,12 @@ def test_run_verdict_and_exit_codes() -> None:
     (line,) = undecided_steps([undecided], [(STEP, summary)])
     assert line.startswith(f"{STEP.id} undecided: run it for at least 81 s")
     assert "transfer_success_min: 2,995 transfers" in line
+
+
+def test_difference_bounds_pair_each_low_with_the_others_high() -> None:
+    d = ci.difference_bounds(ci.Bounds(1.0, 3.0), ci.Bounds(0.5, 2.0))
+    assert (d.low, d.high) == (-1.0, 2.5)
+    # a side without a bound leaves the difference unbounded on that side
+    open_high = ci.difference_bounds(ci.Bounds(1.0, None), ci.Bounds(0.5, 2.0))
+    assert (open_high.low, open_high.high) == (-1.0, None)
+    assert ci.difference_bounds(ci.Bounds(1.0, 3.0), ci.Bounds(None, 2.0)).high is None
