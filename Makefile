@@ -32,8 +32,17 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two passes: every test not marked `alone` on TEST_WORKERS workers (a module's tests on one
+# worker, the network-namespace tests one after the other), then the `alone` ones (they judge
+# time, rate or capacity measured while they run) one at a time with the machine to themselves.
+# Both passes run whatever the first found; the target fails if either did.
+TEST_WORKERS ?= 2
 unit: $(STAMP) system-tools vllm-if-possible
-	$(BIN)/python -m pytest -q -ra --durations=25
+	rc=0; \
+	$(BIN)/python -m pytest -q -ra --durations=15 -n $(TEST_WORKERS) --dist loadgroup \
+	  -m "not alone" || rc=$$?; \
+	$(BIN)/python -m pytest -q -ra --durations=15 -m alone || rc=$$?; \
+	exit $$rc
 
 # The vLLM environment (engine: vllm) in its own venv, .venv-vllm; pdx's .venv is not touched.
 # `make vllm` fails when it cannot build; `make test` builds it when the machine can (Linux

@@ -15,7 +15,7 @@ from pdx.cli.main import app
 
 SMOKE = Path(__file__).resolve().parents[2] / "playbooks" / "smoke.yaml"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 def test_split_beside_colocated(tmp_path: Path) -> None:

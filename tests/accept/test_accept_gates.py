@@ -212,6 +212,7 @@ def _criterion(data: dict, name: str, step_prefix: str) -> dict:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_lossy_codec_and_quiet_recompute_fail_their_gates(tmp_path: Path) -> None:
     """int4 KV changes greedy tokens; decode recomputing quietly while objects are evicted."""
     pb = _playbook(
@@ -251,6 +252,7 @@ def test_lossy_codec_and_quiet_recompute_fail_their_gates(tmp_path: Path) -> Non
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_killed_decode_strands_kv_and_a_silent_transfer_is_overdue(tmp_path: Path) -> None:
     """s00: the KV link blackholed while decode's transfer deadline (20 s) outlasts the
     request's (2 s); s01: decode killed mid-step, the objects it fetched wait for their TTL.

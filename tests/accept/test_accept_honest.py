@@ -252,6 +252,7 @@ def _by_name(data: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_a_run_that_moved_no_kv_is_not_go(tmp_path: Path) -> None:
     """Every prompt prefilled locally: no KV crossed, so nothing shows the link carries it."""
     data = _accept(tmp_path, "target.deploy_set=[router.local_prefill_max_tokens=100000]")
@@ -265,6 +266,7 @@ def test_a_run_that_moved_no_kv_is_not_go(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_one_replay_cannot_prove_no_mismatch(tmp_path: Path) -> None:
     data = _accept(tmp_path, "judgement.replay_requests=1")
     mismatch = _by_name(data)["output_mismatch_max"]

@@ -60,6 +60,7 @@ def test_schema_file_matches_the_model() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_go_then_no_go_with_override_then_diff(sse_server, tmp_path: Path) -> None:
     pb = _playbook(tmp_path, sse_server.url)
     runner = CliRunner()
@@ -168,6 +169,7 @@ def test_failed_requests_are_counted_not_timed(sse_server, tmp_path: Path) -> No
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 @pytest.mark.parametrize(
     ("sig", "code", "name"), [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")]
 )
@@ -262,6 +264,7 @@ def test_unreachable_url_could_not_run(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_open_loop_step_with_two_locust_workers(sse_server, tmp_path: Path) -> None:
     doc = {
         "name": "open",
@@ -287,6 +290,7 @@ def test_open_loop_step_with_two_locust_workers(sse_server, tmp_path: Path) -> N
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 def test_repeat_runs_the_playbook_n_times_and_compares(sse_server, tmp_path: Path) -> None:
     pb = _playbook(tmp_path, sse_server.url, concurrency=[2], duration_s=2)
     doc = yaml.safe_load(pb.read_text())

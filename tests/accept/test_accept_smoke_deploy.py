@@ -14,7 +14,7 @@ from pdx.cli.main import app
 
 SMOKE = Path(__file__).resolve().parents[2] / "playbooks" / "smoke.yaml"
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 def _report(out: Path) -> dict:

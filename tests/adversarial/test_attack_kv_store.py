@@ -39,7 +39,7 @@ from pdx.transfer.dataplane.framing import FRAME, VERSION, Kind
 from pdx.transfer.rpc import map_rpc_error
 from pdx.transfer.wire import digest64
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 MIB = 1024 * 1024
 CHUNK = 64 * 1024

@@ -29,7 +29,7 @@ from pdx.link import protocol as proto
 from pdx.link.client import FrameConnection, ProbeSession
 from pdx.link.probe import ProbeOptions, probe_link
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 GBPS = 40e9 / 8  # --anonymous-gbps's default, in bytes per planned second
 BLOCK = 256 * 1024  # the server's read size: a budget is overshot by less than one read

@@ -22,7 +22,7 @@ import aiohttp
 import pytest
 from live_deploy import pids_with, read_endpoints
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 KILLS = 5
 BACKOFF_MAX_S = 2.0

@@ -96,6 +96,7 @@ async def _send_through(proxy: FaultProxy, total_bytes: int) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 async def test_bandwidth_400mbit_over_40mb(sink: Sink) -> None:
     rates = []
     for attempt in range(2):  # a second try only if other load starved the first one

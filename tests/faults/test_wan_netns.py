@@ -42,6 +42,7 @@ from pdx.faults.wan import control
 pytestmark = [
     pytest.mark.system,
     pytest.mark.slow,
+    pytest.mark.alone,
     pytest.mark.skipif(
         any(shutil.which(t) is None for t in ("ip", "tc", "ping"))
         or not os.path.exists("/dev/net/tun"),

@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from cli_runs import run_locust
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 
 
 @pytest.fixture(scope="module")

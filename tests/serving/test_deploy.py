@@ -143,6 +143,7 @@ async def stream_until_error(url: str, kill_pid: int) -> tuple[int, list[Any]]:
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 async def test_pdx_deploy_serves_survives_a_killed_decode_and_stops_cleanly() -> None:
     cmd = [sys.executable, "-c", "from pdx.cli.main import main; main()", "deploy", "--port", "0",
            "--json",
@@ -247,6 +248,7 @@ async def test_prefill_in_its_own_namespace_ships_kv_through_the_router_hop() ->
 
 
 @pytest.mark.slow
+@pytest.mark.alone
 async def test_a_restart_that_never_gets_ready_is_killed_and_retried_never_given_up() -> None:
     from pdx.serving.supervisor import Deployment
 

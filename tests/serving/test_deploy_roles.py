@@ -112,6 +112,7 @@ def _tcp_rtts_ms(ns: str, dst: str) -> list[float]:
 
 @pytest.mark.slow
 @pytest.mark.system
+@pytest.mark.alone  # GO is judged on latencies measured while it runs
 @pytest.mark.skipif(shutil.which("ip") is None or shutil.which("ss") is None,
                     reason="needs ip and ss (iproute2)")  # fmt: skip
 def test_each_role_on_its_own_host_across_the_wan_then_accept_is_go(tmp_path: Path) -> None:

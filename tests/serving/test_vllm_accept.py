@@ -23,7 +23,7 @@ from pdx.cli.main import app
 
 PLAYBOOK = Path(__file__).resolve().parents[2] / "playbooks" / "vllm-pd.yaml"
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(1200)]
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(1200)]
 
 
 def test_vllm_pd_playbook(tmp_path: Path) -> None:

@@ -36,6 +36,7 @@ SHORT = [
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.alone,
     pytest.mark.system,
     pytest.mark.timeout(900),
     pytest.mark.skipif(os.geteuid() != 0, reason="needs root (network namespaces)"),

@@ -31,7 +31,7 @@ from vllm_helpers import (
 from pdx.serving.engines.metrics import engine_counters, sample_sum
 from pdx.serving.supervisor import Deployment
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(420)]
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(420)]
 
 
 @pytest.fixture(scope="module")

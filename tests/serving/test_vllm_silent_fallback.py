@@ -24,7 +24,7 @@ from pdx.accept.playbook import Criteria, Step
 from pdx.accept.stats import derive_rates
 from pdx.serving.supervisor import Deployment
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")

@@ -26,6 +26,7 @@ from pdx.tls import init_certs
 pytestmark = [
     pytest.mark.system,
     pytest.mark.slow,
+    pytest.mark.alone,
     pytest.mark.skipif(
         any(shutil.which(t) is None for t in ("ip", "tc")) or not os.path.exists("/dev/net/tun"),
         reason="needs iproute2 and /dev/net/tun",
