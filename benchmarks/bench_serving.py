@@ -621,14 +621,10 @@ def median_bounds(values: list[float]) -> dict[str, float | None]:
 
 
 def judge(bounds: dict[str, float | None], goal_ms: float) -> str:
-    """MET when the median's upper bound is below the goal, MISSED when its lower bound is
-    above it, else UNDECIDED (the sample cannot tell)."""
-    low, high = bounds["low"], bounds["high"]
-    if high is not None and high < goal_ms:
-        return "MET"
-    if low is not None and low > goal_ms:
-        return "MISSED"
-    return "UNDECIDED"
+    """MET, MISSED or UNDECIDED: the goal judged from the interval (see goal_verdict)."""
+    from pdx.accept.confidence import goal_verdict
+
+    return goal_verdict(bounds["low"], bounds["high"], goal_ms)
 
 
 def summarize_streamed(

@@ -125,6 +125,15 @@ def decide(bounds: Bounds, threshold: float, kind: Kind) -> Result:
     return "indeterminate"
 
 
+GOAL_VERDICTS = {"pass": "MET", "fail": "MISSED", "indeterminate": "UNDECIDED"}
+
+
+def goal_verdict(low: float | None, high: float | None, goal: float) -> str:
+    """A benchmark's goal "at most ``goal``" judged from an interval as :func:`decide` judges
+    a criterion: MET (all of it at or under), MISSED (all of it over), else UNDECIDED."""
+    return GOAL_VERDICTS[decide(Bounds(low, high), goal, "max")]
+
+
 def _smallest(decided: Callable[[int], bool], start: int) -> int | None:
     """The smallest n ≥ start with ``decided(n)`` (monotone), or None beyond the search cap."""
     n = max(1, start)

@@ -211,3 +211,12 @@ def test_difference_bounds_pair_each_low_with_the_others_high() -> None:
     open_high = ci.difference_bounds(ci.Bounds(1.0, None), ci.Bounds(0.5, 2.0))
     assert (open_high.low, open_high.high) == (-1.0, None)
     assert ci.difference_bounds(ci.Bounds(1.0, 3.0), ci.Bounds(None, 2.0)).high is None
+
+
+def test_a_goal_is_met_missed_or_undecided_by_its_whole_interval() -> None:
+    assert ci.goal_verdict(0.2, 0.9, 1.0) == "MET"
+    assert ci.goal_verdict(1.1, 1.5, 1.0) == "MISSED"
+    assert ci.goal_verdict(0.8, 1.2, 1.0) == "UNDECIDED"
+    # an interval open on the side that would decide it decides nothing
+    assert ci.goal_verdict(-1.0, None, 3.0) == "UNDECIDED"
+    assert ci.goal_verdict(None, 5.0, 3.0) == "UNDECIDED"

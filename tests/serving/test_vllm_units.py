@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdx.errors import ConfigError, InputError
 from pdx.serving.deploy_config import load_deploy_config
@@ -23,7 +24,13 @@ from pdx.serving.engines import engine_hooks
 from pdx.serving.engines import vllm as vllm_engines
 from pdx.serving.engines.client import _parse_event, sampling_body, token_logprobs
 from pdx.serving.engines.env import EngineUnavailable, VLLMEnv, check
-from pdx.serving.engines.metrics import INSTANCE_LABEL, engine_counters, merge, sample_sum
+from pdx.serving.engines.metrics import (
+    INSTANCE_LABEL,
+    engine_counters,
+    merge,
+    sample_lines,
+    sample_sum,
+)
 from pdx.serving.engines.vllm import (
     CPU_HEAD_SIZES,
     EngineStartError,
@@ -220,6 +227,31 @@ def test_engine_metrics_are_merged_with_an_instance_label() -> None:
     counters = engine_counters(PROM)
     assert counters["p2p_cached_tokens"] == 311 and counters["nixl_transfers"] == 2
     assert merge([("x", "not prometheus {{{")]) == b""
+
+
+def test_a_series_read_from_its_lines_alone_equals_the_whole_parse() -> None:
+    """The gateway's polls read three gauges from ~700 lines; the filtered parse must give
+    every series exactly what parsing the whole exposition gives (names that prefix others,
+    escaped label values, histogram parts, comments in between)."""
+    text = PROM + (
+        "# HELP vllm:num_requests_running Running.\n# TYPE vllm:num_requests_running gauge\n"
+        'vllm:num_requests_running{engine="0",model_name="a \\"q\\" b"} 3.0\n'
+        'vllm:num_requests_running_extra{engine="0"} 100.0\n'
+        "# a comment line\n"
+        'vllm:num_requests_running{engine="1",model_name="x"} 4.0\n'
+    )
+    full: dict[str, list[tuple[Any, float]]] = {}
+    for family in text_string_to_metric_families(text):
+        for smp in family.samples:
+            full.setdefault(smp.name, []).append((sorted(smp.labels.items()), smp.value))
+    for name, samples in full.items():
+        alone = [(sorted(smp.labels.items()), smp.value)
+                 for family in text_string_to_metric_families(sample_lines(text, name))
+                 for smp in family.samples if smp.name == name]  # fmt: skip
+        assert sorted(alone) == sorted(samples), name
+        assert sample_sum(text, name) == sum(v for _, v in samples)
+    assert sample_sum(text, "vllm:num_requests_running") == 7.0  # not the _extra series
+    assert sample_sum(text, "vllm:num_requests_running", model_name='a "q" b') == 3.0
 
 
 def test_nixl_hook_sets_the_progress_delay_only_when_asked() -> None:

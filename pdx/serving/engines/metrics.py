@@ -56,10 +56,18 @@ def merge(instances: Iterable[tuple[str, str]]) -> bytes:
     return generate_latest(registry)
 
 
+def sample_lines(text: str, *names: str) -> str:
+    """Only the sample lines that may belong to ``names`` (each a name's prefix match; comments
+    and every other series dropped). Parsed alone they give the same samples, untyped: what
+    reading a few series needs. A vLLM exposition is ~700 lines of histograms; parsing all of
+    it took ~9 ms of the gateway's event loop per series read, on every poll."""
+    return "".join(line + "\n" for line in text.splitlines() if line.startswith(names))
+
+
 def sample_sum(text: str, name: str, **labels: str) -> float:
     """Sum of the samples called ``name`` whose labels include ``labels`` (0 when none)."""
     total = 0.0
-    for family in parse(text):
+    for family in parse(sample_lines(text, name)):
         for s in family.samples:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 total += float(s.value)
