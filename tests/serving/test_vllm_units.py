@@ -251,6 +251,9 @@ def test_a_series_read_from_its_lines_alone_equals_the_whole_parse() -> None:
         assert sorted(alone) == sorted(samples), name
         assert sample_sum(text, name) == sum(v for _, v in samples)
     assert sample_sum(text, "vllm:num_requests_running") == 7.0  # not the _extra series
+    # only those series' sample lines are kept: no comments, no other series
+    kept = sample_lines(text, "vllm:num_requests_running").splitlines()
+    assert len(kept) == 3 and all(line.startswith("vllm:num_requests_running") for line in kept)
     assert sample_sum(text, "vllm:num_requests_running", model_name='a "q" b') == 3.0
 
 

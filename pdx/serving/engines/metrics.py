@@ -74,22 +74,24 @@ def sample_sum(text: str, name: str, **labels: str) -> float:
     return total
 
 
+# The KV-path counters of one instance: key → (sample name, labels it must carry).
+COUNTERS: dict[str, tuple[str, dict[str, str]]] = {
+    "p2p_cached_tokens": ("vllm:prompt_tokens_cached_by_source_total", {"source": "p2p"}),
+    "device_cached_tokens": ("vllm:prompt_tokens_cached_by_source_total", {"source": "device"}),
+    "external_prefix_cache_hits": ("vllm:external_prefix_cache_hits_total", {}),
+    "nixl_bytes_transferred": ("vllm:nixl_bytes_transferred_sum", {}),
+    "nixl_transfers": ("vllm:nixl_bytes_transferred_count", {}),
+    "nixl_xfer_time_s": ("vllm:nixl_xfer_time_seconds_sum", {}),
+    "nixl_failed_transfers": ("vllm:nixl_num_failed_transfers_total", {}),
+    "prompt_tokens": ("vllm:prompt_tokens_total", {}),
+    "requests_running": ("vllm:num_requests_running", {}),
+    "requests_waiting": ("vllm:num_requests_waiting", {}),
+    "kv_cache_usage": ("vllm:kv_cache_usage_perc", {}),
+}
+
+
 def engine_counters(text: str) -> dict[str, Any]:
-    """The KV-path counters of one instance that tests, benchmarks and reports read."""
-    return {
-        "p2p_cached_tokens": sample_sum(
-            text, "vllm:prompt_tokens_cached_by_source_total", source="p2p"
-        ),
-        "device_cached_tokens": sample_sum(
-            text, "vllm:prompt_tokens_cached_by_source_total", source="device"
-        ),
-        "external_prefix_cache_hits": sample_sum(text, "vllm:external_prefix_cache_hits_total"),
-        "nixl_bytes_transferred": sample_sum(text, "vllm:nixl_bytes_transferred_sum"),
-        "nixl_transfers": sample_sum(text, "vllm:nixl_bytes_transferred_count"),
-        "nixl_xfer_time_s": sample_sum(text, "vllm:nixl_xfer_time_seconds_sum"),
-        "nixl_failed_transfers": sample_sum(text, "vllm:nixl_num_failed_transfers_total"),
-        "prompt_tokens": sample_sum(text, "vllm:prompt_tokens_total"),
-        "requests_running": sample_sum(text, "vllm:num_requests_running"),
-        "requests_waiting": sample_sum(text, "vllm:num_requests_waiting"),
-        "kv_cache_usage": sample_sum(text, "vllm:kv_cache_usage_perc"),
-    }
+    """The KV-path counters of one instance that tests, benchmarks and reports read (the text
+    cut to their lines once, then each summed from those)."""
+    kept = sample_lines(text, *{name for name, _ in COUNTERS.values()})
+    return {key: sample_sum(kept, name, **labels) for key, (name, labels) in COUNTERS.items()}

@@ -22,7 +22,7 @@ from prometheus_client import generate_latest
 from pdx.serving.backends.tokenizer import Tokenizer
 from pdx.serving.deploy_config import DeployConfig, local_prefill_threshold
 from pdx.serving.engines.client import EngineClient
-from pdx.serving.engines.metrics import merge, sample_sum
+from pdx.serving.engines.metrics import merge, sample_lines, sample_sum
 from pdx.serving.engines.vllm import VLLMEngines
 from pdx.serving.gateway.app import Gateway, naming
 from pdx.serving.gateway.engine_flow import EngineFlow, EngineFlowContext, EngineSettings
@@ -32,6 +32,7 @@ from pdx.transfer.retry import GlobalRetryBudget
 
 KV_SCALE = 1_000_000  # decode's KV use is a fraction; the router's score wants byte-like counts
 METRICS_EVERY = 8  # KV cache use is read from /metrics every this many health polls
+POLLED = ("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting", "vllm:num_requests_running")
 
 
 class EngineGateway(Gateway):
@@ -94,6 +95,7 @@ class EngineGateway(Gateway):
         if d.healthy and with_metrics:
             text = await self.client.metrics_text(d.address, timeout_s=1.0)
             if text is not None:
+                text = sample_lines(text, *POLLED)  # one pass over ~700 lines, not three
                 used = sample_sum(text, "vllm:kv_cache_usage_perc")
                 d.kv_free_bytes = int(KV_SCALE * max(0.0, 1.0 - used))
                 d.queue_depth = int(sample_sum(text, "vllm:num_requests_waiting"))
