@@ -472,3 +472,48 @@ async def test_a_restart_that_never_gets_ready_is_given_up_at_the_restart_bound(
         assert child.proc is not None
         kill_group(child.proc.pid)
         await child.proc.wait()
+
+
+async def test_polled_answers_past_the_cap_are_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
+    """/metrics and /v1/models of an instance are bounded: a body over MAX_POLL_BYTES, whether
+    its Content-Length says so or it streams on without one, reads as no answer."""
+    from aiohttp import ClientSession, web
+
+    from pdx.serving.engines import client as engine_client
+
+    monkeypatch.setattr(engine_client, "MAX_POLL_BYTES", 4096)
+    sent: dict[str, int] = {}
+
+    async def endless(request: web.Request) -> web.StreamResponse:  # chunked, no length
+        resp = web.StreamResponse()
+        await resp.prepare(request)
+        sent["chunked"] = 0
+        for _ in range(64):  # 64 KiB, bounded
+            await resp.write(b"# " + b"x" * 1021 + b"\n")
+            sent["chunked"] += 1024
+        return resp
+
+    big = {"data": [{"id": "m" * 100} for _ in range(100)]}  # ~11 KB with a Content-Length
+    routes = {"/a/metrics": lambda r: web.Response(text="pdx_up 1\n"),
+              "/a/v1/models": lambda r: web.json_response({"data": [{"id": "tiny"}]}),
+              "/b/metrics": endless, "/b/v1/models": lambda r: web.json_response(big)}  # fmt: skip
+    app = web.Application()
+    for path, handler in routes.items():
+        app.router.add_get(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        async with ClientSession() as s:
+            c = engine_client.EngineClient(s, "tiny")
+            ok, bad = f"http://127.0.0.1:{port}/a", f"http://127.0.0.1:{port}/b"
+            assert await c.metrics_text(ok) == "pdx_up 1\n"
+            assert await c.served_models(ok) == ["tiny"]
+            assert await c.metrics_text(bad) is None
+            assert await c.served_models(bad) == []
+            assert f"{bad}/metrics" in engine_client._OVERSIZED
+            assert f"{bad}/v1/models" in engine_client._OVERSIZED
+    finally:
+        await runner.cleanup()

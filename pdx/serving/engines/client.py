@@ -17,6 +17,7 @@ status, with vLLM's message).
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
@@ -27,6 +28,8 @@ import orjson
 
 from pdx.errors import ServingError
 from pdx.serving.engines.http1 import HTTP1Client, HTTPConnectionError, Origin, origin_of
+
+log = logging.getLogger(__name__)
 
 
 class EngineUnreachable(ServingError):
@@ -83,6 +86,9 @@ class StreamChunk:
 
 
 MAX_EVENT_BYTES = 1 << 20  # one server-sent event line from an engine, at most
+# A polled answer (/metrics, /v1/models), at most: vLLM's exposition is ~60 KB; one that says or
+# turns out to be larger is not read into memory (an instance pdx did not start may be anything).
+MAX_POLL_BYTES = 16 << 20
 
 
 def _text(raw: bytes) -> str:
@@ -227,14 +233,16 @@ class EngineClient:
             return False
 
     async def metrics_text(self, base_url: str, timeout_s: float = 2.0) -> str | None:
-        """The instance's Prometheus text, or None when it does not answer."""
+        """The instance's Prometheus text, or None when it does not answer (or answers more
+        than MAX_POLL_BYTES)."""
         try:
             async with self.session.get(
                 base_url + "/metrics", timeout=self._timeout(timeout_s)
             ) as r:
-                return await r.text() if r.status == 200 else None
+                raw = await _capped_body(r, base_url + "/metrics") if r.status == 200 else None
         except (aiohttp.ClientError, TimeoutError):
             return None
+        return None if raw is None else raw.decode("utf-8", errors="replace")
 
     async def served_models(self, base_url: str, timeout_s: float = 3.0) -> list[str]:
         """Model ids from ``GET /v1/models`` (empty when it does not answer)."""
@@ -242,10 +250,36 @@ class EngineClient:
             async with self.session.get(
                 base_url + "/v1/models", timeout=self._timeout(timeout_s)
             ) as r:
-                data = await r.json() if r.status == 200 else {}
+                raw = await _capped_body(r, base_url + "/v1/models") if r.status == 200 else None
+            data = orjson.loads(raw) if raw else {}
         except (aiohttp.ClientError, TimeoutError, ValueError):
             return []
-        return [str(m.get("id")) for m in data.get("data") or [] if m.get("id")]
+        if not isinstance(data, dict) or not isinstance(data.get("data"), list):
+            return []
+        return [str(m["id"]) for m in data["data"] if isinstance(m, dict) and m.get("id")]
+
+
+_OVERSIZED: set[str] = set()  # URLs already logged as answering too much (one line each)
+
+
+async def _capped_body(r: aiohttp.ClientResponse, url: str) -> bytes | None:
+    """A polled answer's body, or None (logged once per URL) past MAX_POLL_BYTES: checked
+    against its Content-Length before reading and against what arrived while reading."""
+    parts: list[bytes] = []
+    size = 0
+    if r.content_length is None or r.content_length <= MAX_POLL_BYTES:
+        async for piece in r.content.iter_any():
+            size += len(piece)
+            if size > MAX_POLL_BYTES:
+                break
+            parts.append(piece)
+        else:
+            return b"".join(parts)
+    if url not in _OVERSIZED:
+        _OVERSIZED.add(url)
+        log.warning("%s answered more than %d bytes: not read (polled answers are capped)",
+                    url, MAX_POLL_BYTES)  # fmt: skip
+    return None
 
 
 _DONE = StreamChunk()
