@@ -478,6 +478,7 @@ async def test_polled_answers_past_the_cap_are_not_read(monkeypatch: pytest.Monk
     """/metrics and /v1/models of an instance are bounded: a body over MAX_POLL_BYTES, whether
     its Content-Length says so or it streams on without one, reads as no answer."""
     from aiohttp import ClientSession, web
+    from local_app import serving
 
     from pdx.serving.engines import client as engine_client
 
@@ -500,20 +501,12 @@ async def test_polled_answers_past_the_cap_are_not_read(monkeypatch: pytest.Monk
     app = web.Application()
     for path, handler in routes.items():
         app.router.add_get(path, handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        async with ClientSession() as s:
-            c = engine_client.EngineClient(s, "tiny")
-            ok, bad = f"http://127.0.0.1:{port}/a", f"http://127.0.0.1:{port}/b"
-            assert await c.metrics_text(ok) == "pdx_up 1\n"
-            assert await c.served_models(ok) == ["tiny"]
-            assert await c.metrics_text(bad) is None
-            assert await c.served_models(bad) == []
-            assert f"{bad}/metrics" in engine_client._OVERSIZED
-            assert f"{bad}/v1/models" in engine_client._OVERSIZED
-    finally:
-        await runner.cleanup()
+    async with serving(app) as url, ClientSession() as s:
+        c = engine_client.EngineClient(s, "tiny")
+        ok, bad = f"{url}/a", f"{url}/b"
+        assert await c.metrics_text(ok) == "pdx_up 1\n"
+        assert await c.served_models(ok) == ["tiny"]
+        assert await c.metrics_text(bad) is None
+        assert await c.served_models(bad) == []
+        assert f"{bad}/metrics" in engine_client._OVERSIZED
+        assert f"{bad}/v1/models" in engine_client._OVERSIZED
