@@ -33,6 +33,7 @@ from pdx.serving.node import READY_PREFIX
 from pdx.serving.restarts import RestartBoard
 
 CERT_NAMES = ("kv-store", "prefill", "decode", "gateway")
+REAP_WAIT_S = 10.0  # at stop: how long an engine's SIGKILLed processes get to be gone
 log = logging.getLogger("pdx.deploy")
 
 
@@ -412,6 +413,8 @@ class Deployment:
     async def _terminate(self, child: Child) -> None:
         proc = child.proc
         if proc is None or proc.returncode is not None:
+            if proc is not None and self.engines is not None:
+                await self._reap_engine(child, proc.pid)
             return
         # Signalled by pid, not with proc.send_signal()/kill(): those poll with waitpid()
         # first and can reap a child that just died before asyncio's child watcher does,
@@ -424,9 +427,16 @@ class Deployment:
             _signal_pid(proc.pid, signal.SIGKILL)
             await proc.wait()
         if self.engines is not None:  # an engine's own children (its engine core, workers)
-            from pdx.serving.engines.vllm import kill_group
+            await self._reap_engine(child, proc.pid)
 
-            kill_group(proc.pid)
+    async def _reap_engine(self, child: Child, pgid: int) -> None:
+        """An engine instance's process group killed to its last process, and what those
+        processes left in /dev/shm removed."""
+        from pdx.serving.engines.vllm import group_gone, kill_group
+
+        kill_group(pgid)
+        if await group_gone(pgid, REAP_WAIT_S):
+            self.engines.release_leftovers(child.name)
 
 
 def _signal_pid(pid: int, sig: int) -> None:

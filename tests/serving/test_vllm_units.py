@@ -4,6 +4,7 @@ metrics merging, KV sizing, the exported checkpoint and the NIXL idle hook."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -33,14 +34,17 @@ from pdx.serving.engines.metrics import (
 )
 from pdx.serving.engines.vllm import (
     CPU_HEAD_SIZES,
+    SHM_DIR,
     EngineStartError,
     VLLMEngines,
     check_model_for_device,
     group_gone,
     group_members,
+    group_shm,
     head_size,
     kill_group,
     kv_dtype,
+    release_shm,
 )
 from pdx.serving.gateway.engine_app import kv_sizer
 from pdx.serving.gateway.protocol import CompletionRequest
@@ -336,6 +340,39 @@ async def test_a_killed_group_is_waited_for_until_no_process_of_it_lives() -> No
     finally:
         kill_group(proc.pid)
         await proc.wait()
+
+
+async def test_a_killed_groups_shared_memory_is_removed_and_no_other() -> None:
+    """A SIGKILLed group's psm_* segment stays in /dev/shm (its resource tracker dies with it)
+    until pdx removes it: only once the group is gone, and never a segment a live process
+    still maps (here one this test holds)."""
+    from multiprocessing import shared_memory
+
+    code = ("import time; from multiprocessing import shared_memory as s; "
+            "m = s.SharedMemory(create=True, size=1 << 20); print(m.name, flush=True); "
+            "time.sleep(30)")  # fmt: skip
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-c", code,
+                                                stdout=asyncio.subprocess.PIPE,
+                                                start_new_session=True)  # fmt: skip
+    assert proc.stdout is not None
+    held, name = shared_memory.SharedMemory(create=True, size=4096), ""
+    try:
+        name = (await asyncio.wait_for(proc.stdout.readline(), 20)).decode().strip()
+        assert name.startswith("psm_") and (SHM_DIR / name).exists()
+        names = group_shm(proc.pid)
+        assert names == {name}
+        assert release_shm(proc.pid, names | {held.name}) == []  # the group lives: nothing
+        assert kill_group(proc.pid) and await group_gone(proc.pid, 10)
+        assert (SHM_DIR / name).exists()  # killed: nobody unlinked it
+        assert release_shm(proc.pid, names | {held.name}) == [name]
+        assert not (SHM_DIR / name).exists() and (SHM_DIR / held.name).exists()
+    finally:
+        kill_group(proc.pid)
+        await proc.wait()
+        held.close()
+        for left in (held.name, name):
+            with contextlib.suppress(FileNotFoundError):
+                (SHM_DIR / left).unlink() if left else None
 
 
 def test_kv_cpus_hook_keeps_nixls_worker_on_the_instances_own_cores() -> None:

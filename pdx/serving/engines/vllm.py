@@ -203,6 +203,8 @@ class VLLMEngines:
         self.device = "cpu"
         self.model: ModelInfo | None = None
         self.instances: dict[str, Instance] = {}
+        #: per instance: its process group and the segments it mapped, read once it was ready
+        self.shm: dict[str, tuple[int, set[str]]] = {}
 
     # --- set-up ------------------------------------------------------------------------
 
@@ -332,6 +334,7 @@ class VLLMEngines:
                 logger.warning("%s: processes of the old instance (group %d) still exiting after "
                             "%g s; starting the new one anyway", child.name, old,
                             GROUP_EXIT_WAIT_S)  # fmt: skip
+            self.release_leftovers(child.name)
         log_dir = self.cfg.vllm.log_dir or self.work_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         if self.cfg.kv.audit_dir is not None:
@@ -348,8 +351,17 @@ class VLLMEngines:
             min(v.ready_timeout_s, v.restart_ready_timeout_s) if restart else v.ready_timeout_s
         )
         await wait_healthy(inst.url, child.proc, timeout, child.log_path)
+        self.shm[child.name] = (child.proc.pid, group_shm(child.proc.pid))
         child.info = {**self.describe(inst), "pid": child.proc.pid,
                       "ready_after_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+    def release_leftovers(self, name: str) -> None:
+        """What instance ``name``'s dead process group left in /dev/shm, unlinked."""
+        pgid, names = self.shm.pop(name, (0, set()))
+        gone = release_shm(pgid, names) if pgid else []
+        if gone:
+            logger.info("%s: removed %d shared-memory segment(s) its killed processes left in "
+                        "%s: %s", name, len(gone), SHM_DIR, ", ".join(gone))  # fmt: skip
 
     def describe(self, inst: Instance) -> dict[str, Any]:
         """The instance as ``pdx deploy --json`` lists it."""
@@ -390,6 +402,11 @@ def _device(choice: str, env: VLLMEnv) -> str:
 
 
 GROUP_EXIT_WAIT_S = 60.0
+SHM_DIR = Path("/dev/shm")
+# Python's multiprocessing.shared_memory names its segments psm_*: vLLM's processes create
+# theirs so, for their own use. Other files a vLLM process maps in /dev/shm (UCX's, say) may
+# be a peer's, and are never touched.
+SHM_PREFIXES = ("psm_",)
 
 
 def group_members(pgid: int) -> list[int]:
@@ -404,6 +421,48 @@ def group_members(pgid: int) -> list[int]:
         if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
             pids.append(int(stat.parent.name))
     return pids
+
+
+def _mapped_shm(pids: list[int] | None = None) -> set[str]:
+    """multiprocessing's segments in /dev/shm (SHM_PREFIXES) that ``pids`` (every process:
+    None) have mapped."""
+    names: set[str] = set()
+    where = [str(p) for p in pids] if pids is not None else [
+        e for e in os.listdir("/proc") if e.isdigit()]  # fmt: skip
+    for pid in where:
+        try:
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
+                for line in maps:
+                    at = line.find(f" {SHM_DIR}/")
+                    name = line[at + len(str(SHM_DIR)) + 2 :].rstrip("\n") if at >= 0 else ""
+                    if name.startswith(SHM_PREFIXES) and not name.endswith("(deleted)"):
+                        names.add(name)
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return names
+
+
+def group_shm(pgid: int) -> set[str]:
+    """The multiprocessing segments process group ``pgid`` has mapped now."""
+    return _mapped_shm(group_members(pgid))
+
+
+def release_shm(pgid: int, names: set[str]) -> list[str]:
+    """Unlink the segments ``names`` that a dead process group left in /dev/shm.
+
+    A process killed with SIGKILL (a crash, a fault step, a stop past its grace) never
+    unlinks its segments, nor does its resource tracker, killed with it: each killed vLLM
+    instance left two (160 and 240 MiB, sparse) behind. Only once no process of the group
+    lives, and only a segment no live process maps; the names unlinked."""
+    if not names or group_members(pgid):
+        return []
+    left = {n for n in names if (SHM_DIR / n).exists()}
+    gone = []
+    for name in sorted(left - _mapped_shm()) if left else []:
+        with contextlib.suppress(FileNotFoundError):
+            (SHM_DIR / name).unlink()
+            gone.append(name)
+    return gone
 
 
 async def group_gone(pgid: int, timeout_s: float) -> bool:
