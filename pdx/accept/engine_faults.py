@@ -18,19 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-
-def _children(parent: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
-            out.append(int(entry))
-    return out
+from pdx.procs import children
 
 
 def _cmdline(pid: int) -> list[str]:
@@ -42,12 +30,12 @@ def _cmdline(pid: int) -> list[str]:
 
 def find_instance(deploy_pid: int, port: int, index: int = 0) -> int | None:
     """The deploy's child serving on ``port`` (its ``--port``), or pdx's own prefill ``index``."""
-    for pid in _children(deploy_pid):
+    for pid in children(deploy_pid):
         argv = _cmdline(pid)
         for i, arg in enumerate(argv[:-1]):
             if arg == "--port" and argv[i + 1] == str(port):
                 return pid
-    for pid in _children(deploy_pid):  # pdx's pair: `python -m pdx.serving.prefill CFG INDEX`
+    for pid in children(deploy_pid):  # pdx's pair: `python -m pdx.serving.prefill CFG INDEX`
         argv = _cmdline(pid)
         if "pdx.serving.prefill" in argv:
             at = argv.index("pdx.serving.prefill")

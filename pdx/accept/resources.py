@@ -9,7 +9,8 @@ import os
 import time
 from pathlib import Path
 
-_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+from pdx.procs import cpu_seconds, stat_fields
+
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
@@ -31,14 +32,12 @@ def process_tree(root_pid: int) -> list[int]:
 
 
 def _cpu_s_and_rss(pid: int) -> tuple[float, int]:
+    fields = stat_fields(pid)
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
         statm = Path(f"/proc/{pid}/statm").read_text().split()
     except OSError:
         return 0.0, 0
-    fields = stat.rsplit(")", 1)[1].split()
-    cpu_s = (int(fields[11]) + int(fields[12])) / _TICKS  # utime + stime
-    return cpu_s, int(statm[1]) * _PAGE
+    return (cpu_seconds(fields) if fields else 0.0), int(statm[1]) * _PAGE
 
 
 class TreeSampler:

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from pdx.errors import InputError, MeasurementError
+from pdx.procs import cpu_seconds, stat_fields
 
 _SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]?i?B?)?\s*$", re.I)
 _FACTORS = {
@@ -91,11 +92,10 @@ def process_cpu_s(pid: int | None = None) -> float | None:
     """
     if pid is None:
         return time.process_time()
+    fields = stat_fields(pid)
     try:
-        with open(f"/proc/{pid}/stat") as f:
-            fields = f.read().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
+        return cpu_seconds(fields) if fields else None
+    except (ValueError, IndexError):
         return None
 
 

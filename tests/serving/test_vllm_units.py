@@ -20,6 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdx.errors import ConfigError, InputError
+from pdx.procs import group_members
 from pdx.serving.deploy_config import load_deploy_config
 from pdx.serving.engines import engine_hooks
 from pdx.serving.engines import vllm as vllm_engines
@@ -39,7 +40,6 @@ from pdx.serving.engines.vllm import (
     VLLMEngines,
     check_model_for_device,
     group_gone,
-    group_members,
     group_shm,
     head_size,
     kill_group,

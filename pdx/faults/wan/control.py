@@ -21,6 +21,7 @@ from typing import Any
 
 from pdx.errors import PdxError
 from pdx.faults.wan.conditions import WanConditions
+from pdx.procs import is_zombie
 
 STATE_ROOT = Path("/run/pdx/netns")
 READY_TIMEOUT_S = 10.0
@@ -77,11 +78,7 @@ def _alive(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    # a zombie (exited, not yet reaped by this process) is not alive
-    with contextlib.suppress(OSError):
-        if Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] == "Z":
-            return False
-    return True
+    return not is_zombie(pid)  # exited, not yet reaped by this process: not alive
 
 
 def log_tail(sdir: Path, lines: int = 5) -> str:

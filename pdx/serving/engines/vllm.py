@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol
 
 from pdx.errors import InputError, ServingError
+from pdx.procs import group_members
 from pdx.serving.deploy_config import DeployConfig, VLLMConfig, engine_model_config_json
 from pdx.serving.engines.env import VLLMEnv, discover
 from pdx.serving.engines.sites import free_ports, ucx_net_device
@@ -407,20 +408,6 @@ SHM_DIR = Path("/dev/shm")
 # theirs so, for their own use. Other files a vLLM process maps in /dev/shm (UCX's, say) may
 # be a peer's, and are never touched.
 SHM_PREFIXES = ("psm_",)
-
-
-def group_members(pgid: int) -> list[int]:
-    """Pids of the live (not zombie) processes of process group ``pgid``, from /proc."""
-    pids = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        # after the command's ")": state, ppid, pgrp, ...
-        if len(fields) > 2 and fields[2] == str(pgid) and fields[0] != "Z":
-            pids.append(int(stat.parent.name))
-    return pids
 
 
 def _mapped_shm(pids: list[int] | None = None) -> set[str]:
