@@ -18,8 +18,8 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "pdx"
 
 # What each package may import from pdx (besides itself and the bottom layer).
-BOTTOM = {"pdx", "pdx._proto", "pdx.config", "pdx.errors", "pdx.netaddr", "pdx.tcp", "pdx.tls",
-          "pdx.units"}  # fmt: skip
+BOTTOM = {"pdx", "pdx._proto", "pdx.config", "pdx.errors", "pdx.netaddr", "pdx.procs", "pdx.tcp",
+          "pdx.tls", "pdx.units"}  # fmt: skip
 ALLOWED: dict[str, set[str]] = {
     "pdx.kv": set(),
     "pdx.sim": {"pdx.kv"},
