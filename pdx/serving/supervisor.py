@@ -436,7 +436,7 @@ class Deployment:
 
         kill_group(pgid)
         if await group_gone(pgid, REAP_WAIT_S):
-            self.engines.release_leftovers(child.name)
+            await self.engines.release_leftovers(child.name)
 
 
 def _signal_pid(pid: int, sig: int) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
+from pdx import procs
 from pdx.errors import InputError, ServingError
 from pdx.procs import group_members
 from pdx.serving.deploy_config import DeployConfig, VLLMConfig, engine_model_config_json
@@ -335,7 +336,7 @@ class VLLMEngines:
                 logger.warning("%s: processes of the old instance (group %d) still exiting after "
                             "%g s; starting the new one anyway", child.name, old,
                             GROUP_EXIT_WAIT_S)  # fmt: skip
-            self.release_leftovers(child.name)
+            await self.release_leftovers(child.name)
         log_dir = self.cfg.vllm.log_dir or self.work_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         if self.cfg.kv.audit_dir is not None:
@@ -352,14 +353,16 @@ class VLLMEngines:
             min(v.ready_timeout_s, v.restart_ready_timeout_s) if restart else v.ready_timeout_s
         )
         await wait_healthy(inst.url, child.proc, timeout, child.log_path)
-        self.shm[child.name] = (child.proc.pid, group_shm(child.proc.pid))
+        # read in a thread: the gateway shares this event loop, and vLLM's maps are long
+        self.shm[child.name] = (child.proc.pid, await asyncio.to_thread(group_shm, child.proc.pid))
         child.info = {**self.describe(inst), "pid": child.proc.pid,
                       "ready_after_s": round(time.monotonic() - t0, 1)}  # fmt: skip
 
-    def release_leftovers(self, name: str) -> None:
-        """What instance ``name``'s dead process group left in /dev/shm, unlinked."""
+    async def release_leftovers(self, name: str) -> None:
+        """What instance ``name``'s dead process group left in /dev/shm, unlinked (in a
+        thread: every process's maps are read)."""
         pgid, names = self.shm.pop(name, (0, set()))
-        gone = release_shm(pgid, names) if pgid else []
+        gone = await asyncio.to_thread(release_shm, pgid, names) if pgid else []
         if gone:
             logger.info("%s: removed %d shared-memory segment(s) its killed processes left in "
                         "%s: %s", name, len(gone), SHM_DIR, ", ".join(gone))  # fmt: skip
@@ -414,9 +417,7 @@ def _mapped_shm(pids: list[int] | None = None) -> set[str]:
     """multiprocessing's segments in /dev/shm (SHM_PREFIXES) that ``pids`` (every process:
     None) have mapped."""
     names: set[str] = set()
-    where = [str(p) for p in pids] if pids is not None else [
-        e for e in os.listdir("/proc") if e.isdigit()]  # fmt: skip
-    for pid in where:
+    for pid in procs.pids() if pids is None else pids:
         try:
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as maps:
                 for line in maps:
