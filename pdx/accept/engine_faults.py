@@ -30,12 +30,13 @@ def _cmdline(pid: int) -> list[str]:
 
 def find_instance(deploy_pid: int, port: int, index: int = 0) -> int | None:
     """The deploy's child serving on ``port`` (its ``--port``), or pdx's own prefill ``index``."""
-    for pid in children(deploy_pid):
+    kids = children(deploy_pid)  # one scan of /proc for both looks
+    for pid in kids:
         argv = _cmdline(pid)
         for i, arg in enumerate(argv[:-1]):
             if arg == "--port" and argv[i + 1] == str(port):
                 return pid
-    for pid in children(deploy_pid):  # pdx's pair: `python -m pdx.serving.prefill CFG INDEX`
+    for pid in kids:  # pdx's pair: `python -m pdx.serving.prefill CFG INDEX`
         argv = _cmdline(pid)
         if "pdx.serving.prefill" in argv:
             at = argv.index("pdx.serving.prefill")
