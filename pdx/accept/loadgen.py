@@ -11,13 +11,13 @@ import contextlib
 import csv
 import json
 import math
-import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from pdx.accept.playbook import Playbook, Step
 from pdx.errors import InputError
+from pdx.netaddr import listen_ports
 
 
 def default_locustfile() -> Path:
@@ -38,10 +38,9 @@ def resolve_locustfile(pb: Playbook, playbook_dir: Path) -> Path:
 
 
 def free_port() -> int:
-    """An ephemeral loopback port chosen by the kernel (for tools that cannot report a 0-bind)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port for a tool that cannot report a 0-bind, outside the ephemeral range
+    (nothing takes it by connecting out before the tool binds it)."""
+    return listen_ports("127.0.0.1", 1)[0]
 
 
 def step_args(pb: Playbook, step: Step, url: str, records_dir: Path) -> list[str]:

@@ -8,6 +8,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -20,6 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdx.errors import ConfigError, InputError
+from pdx.netaddr import ephemeral_range
 from pdx.procs import group_members
 from pdx.serving.deploy_config import load_deploy_config
 from pdx.serving.engines import engine_hooks
@@ -547,3 +549,72 @@ async def test_polled_answers_past_the_cap_are_not_read(monkeypatch: pytest.Monk
         assert await c.served_models(bad) == []
         assert f"{bad}/metrics" in engine_client._OVERSIZED
         assert f"{bad}/v1/models" in engine_client._OVERSIZED
+
+
+# An instance whose HTTP listener runs in a thread and dies if its port is taken, leaving the
+# process up and silent (as vLLM's NIXL handshake listener did): the error is asyncio's own.
+_LISTENER_DIES = """\
+import asyncio, sys, threading, time
+from aiohttp import web
+host = sys.argv[sys.argv.index("--host") + 1]
+port = int(sys.argv[sys.argv.index("--port") + 1])
+async def main():
+    app = web.Application()
+    app.router.add_get("/health", lambda r: web.Response(text="ok"))
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    await asyncio.sleep(60)
+threading.Thread(target=asyncio.run, args=(main(),), daemon=True).start()
+time.sleep(60)
+"""
+
+
+async def _held(host: str, port: int) -> socket.socket:
+    s = socket.socket()
+    s.bind((host, port))
+    s.listen()
+    return s
+
+
+async def test_a_port_taken_before_the_instance_binds_it_moves_a_first_start_only(
+    tmp_path: Path,
+) -> None:
+    """The port picked for an instance is taken by someone else before the instance binds it:
+    its start fails at once (not after ready_timeout_s), and a first start goes again on
+    fresh ports; a restart keeps its ports (peers know them) and says which was taken."""
+    engines = _engines(tmp_path, ["vllm.ready_timeout_s=60", f"vllm.log_dir={tmp_path}"])
+    script = tmp_path / "python"
+    script.write_text(f"#!{sys.executable}\n{_LISTENER_DIES}")
+    script.chmod(0o755)
+    assert engines.env is not None
+    engines.env = dataclasses.replace(engines.env, python=str(script))
+    first = engines.instances["prefill-0"]
+    child = _Child("prefill-0")
+    thief = await _held(first.host, first.port)
+    try:
+        t0 = time.monotonic()
+        await engines.spawn(child)
+        took = time.monotonic() - t0
+        moved = engines.instances["prefill-0"]
+        assert moved.port != first.port and child.info["port"] == moved.port
+        assert took < 20  # two starts of a small script, not the 60 s bound
+        assert "already in use" in (tmp_path / "prefill-0.log").read_text().lower()
+        lo, hi = ephemeral_range()
+        assert not lo <= moved.port <= hi and not lo <= moved.side_channel_port <= hi
+        # a restart on the same ports, one of them taken meanwhile: fails fast, names it
+        assert child.proc is not None
+        kill_group(child.proc.pid)
+        await child.proc.wait()
+        assert await group_gone(child.proc.pid, 10)
+        thief.close()
+        thief = await _held(moved.host, moved.port)
+        t0 = time.monotonic()
+        with pytest.raises(vllm_engines.PortTakenError, match=f"port {moved.port} was taken"):
+            await engines.spawn(child)
+        assert time.monotonic() - t0 < 20 and engines.instances["prefill-0"] == moved
+    finally:
+        thief.close()
+        if child.proc is not None:
+            kill_group(child.proc.pid)
+            await child.proc.wait()

@@ -11,19 +11,17 @@ interface an instance's KV traffic should use (``UCX_NET_DEVICES``).
 from __future__ import annotations
 
 import ipaddress
-import socket
 import subprocess
 import sys
 
 from pdx.errors import ServingError
+from pdx.netaddr import listen_ports
 
+# Run inside the namespace: its ephemeral range and its free ports are its own.
 _FREE_PORTS = (
-    "import socket, sys\n"
-    "host, n = sys.argv[1], int(sys.argv[2])\n"
-    "fam = socket.AF_INET6 if ':' in host else socket.AF_INET\n"
-    "socks = [socket.socket(fam, socket.SOCK_STREAM) for _ in range(n)]\n"
-    "for s in socks: s.bind((host, 0))\n"
-    "print(' '.join(str(s.getsockname()[1]) for s in socks))\n"
+    "import sys\n"
+    "from pdx.netaddr import listen_ports\n"
+    "print(*listen_ports(sys.argv[1], int(sys.argv[2])))\n"
 )
 
 
@@ -32,18 +30,11 @@ class PlacementError(ServingError):
 
 
 def free_ports(host: str, count: int, netns: str | None = None) -> list[int]:
-    """``count`` distinct ports the kernel says are free on ``host`` now, in ``netns`` when
-    given (the instance binds them there shortly after)."""
+    """``count`` distinct ports free on ``host`` now, in ``netns`` when given, outside the
+    kernel's ephemeral range (the instance binds them shortly after; see
+    :func:`pdx.netaddr.listen_ports`)."""
     if not netns:
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        socks = [socket.socket(family, socket.SOCK_STREAM) for _ in range(count)]
-        try:
-            for s in socks:
-                s.bind((host, 0))
-            return [int(s.getsockname()[1]) for s in socks]
-        finally:
-            for s in socks:
-                s.close()
+        return listen_ports(host, count)
     out = _ip_netns(netns, [sys.executable, "-c", _FREE_PORTS, host, str(count)])
     return [int(p) for p in out.split()]
 

@@ -17,9 +17,10 @@ import contextlib
 import json
 import logging
 import os
+import re
 import signal
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
@@ -342,21 +343,61 @@ class VLLMEngines:
         if self.cfg.kv.audit_dir is not None:
             self.cfg.kv.audit_dir.mkdir(parents=True, exist_ok=True)
         child.log_path = log_dir / f"{child.name}.log"
-        with child.log_path.open("ab") as log:
-            child.proc = await asyncio.create_subprocess_exec(
-                *self.argv(inst), stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL,
-                env={**os.environ, **self.environ(inst)}, start_new_session=True,
-            )  # fmt: skip
         t0 = time.monotonic()
         v = self.cfg.vllm
         timeout = (
             min(v.ready_timeout_s, v.restart_ready_timeout_s) if restart else v.ready_timeout_s
         )
-        await wait_healthy(inst.url, child.proc, timeout, child.log_path)
+        for attempt in range(PORT_RETRIES + 1):
+            with child.log_path.open("ab") as log:
+                log_from = log.tell()
+                child.proc = await asyncio.create_subprocess_exec(
+                    *self.argv(inst), stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL,
+                    env={**os.environ, **self.environ(inst)}, start_new_session=True,
+                )  # fmt: skip
+            try:
+                await wait_healthy(inst.url, child.proc, timeout, child.log_path,
+                                   ports=(inst.port, inst.side_channel_port),
+                                   log_from=log_from)  # fmt: skip
+                break
+            except PortTakenError as exc:
+                # A first start may move to other ports (nothing knows them yet); a restart
+                # keeps its own, which the gateway and peers already use.
+                fresh = (None if restart or attempt == PORT_RETRIES
+                         else await asyncio.to_thread(self._new_ports, inst))  # fmt: skip
+                if fresh is None:
+                    raise
+                logger.warning("%s: %s; starting it again on other ports", child.name, exc)
+                await self._discard(child)
+                inst = self.instances[child.name] = fresh
+        assert child.proc is not None
+        pid = child.proc.pid
         # read in a thread: the gateway shares this event loop, and vLLM's maps are long
-        self.shm[child.name] = (child.proc.pid, await asyncio.to_thread(group_shm, child.proc.pid))
-        child.info = {**self.describe(inst), "pid": child.proc.pid,
+        self.shm[child.name] = (pid, await asyncio.to_thread(group_shm, pid))
+        child.info = {**self.describe(inst), "pid": pid,
                       "ready_after_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+    def _new_ports(self, inst: Instance) -> Instance | None:
+        """``inst`` on freshly picked ports, but for those the config fixes; None when it
+        fixes both."""
+        side = self.cfg.prefill if inst.role == "prefill" else self.cfg.decode
+        fixed_port, fixed_channel = bool(side.port), bool(self.cfg.vllm.side_channel_port)
+        if fixed_port and fixed_channel:
+            return None
+        free = iter(free_ports(inst.host, 2, side.netns))
+        return replace(inst, port=inst.port if fixed_port else next(free),
+                       side_channel_port=(inst.side_channel_port if fixed_channel
+                                          else next(free)))  # fmt: skip
+
+    async def _discard(self, child: ChildLike) -> None:
+        """Kill a start that failed and clear what its process group left."""
+        assert child.proc is not None
+        pid = child.proc.pid
+        self.shm[child.name] = (pid, await asyncio.to_thread(group_shm, pid))
+        kill_group(pid)
+        await group_gone(pid, GROUP_EXIT_WAIT_S)
+        await child.proc.wait()
+        await self.release_leftovers(child.name)
 
     async def release_leftovers(self, name: str) -> None:
         """What instance ``name``'s dead process group left in /dev/shm, unlinked (in a
@@ -406,6 +447,8 @@ def _device(choice: str, env: VLLMEnv) -> str:
 
 
 GROUP_EXIT_WAIT_S = 60.0
+#: Starts of one instance on fresh ports after a port it was given was taken meanwhile.
+PORT_RETRIES = 2
 SHM_DIR = Path("/dev/shm")
 # Python's multiprocessing.shared_memory names its segments psm_*: vLLM's processes create
 # theirs so, for their own use. Other files a vLLM process maps in /dev/shm (UCX's, say) may
@@ -472,19 +515,69 @@ def kill_group(pgid: int, sig: int = signal.SIGKILL) -> bool:
     return True
 
 
+class PortTakenError(EngineStartError):
+    """An instance could not bind a port picked for it: something took it in between."""
+
+    def __init__(self, message: str, port: int) -> None:
+        super().__init__(message)
+        self.port = port
+
+
+class _LogWatch:
+    """What an instance's log says past ``offset``, read a little at a time (the log is
+    appended to across restarts, and vLLM's grows long)."""
+
+    def __init__(self, path: Path | None, offset: int, ports: tuple[int, ...]) -> None:
+        self.path, self.offset, self.rest = path, offset, b""
+        self.taken = [(p, re.compile(rf"(?<![0-9]){p}(?![0-9])".encode())) for p in ports if p]
+
+    def port_taken(self) -> tuple[int, str] | None:
+        """(port, line) of a failed bind of one of ``ports`` since the last look, or None."""
+        if self.path is None or not self.taken:
+            return None
+        try:
+            with self.path.open("rb") as f:
+                f.seek(self.offset)
+                data = f.read(1 << 20)
+        except OSError:
+            return None
+        self.offset += len(data)
+        *lines, self.rest = (self.rest + data).split(b"\n")
+        for line in lines:
+            if b"already in use" not in line.lower():
+                continue
+            for port, pattern in self.taken:
+                if pattern.search(line):
+                    return port, line.decode(errors="replace").strip()[-200:]
+        return None
+
+
 async def wait_healthy(
-    url: str, proc: asyncio.subprocess.Process | None, timeout_s: float, log: Path | None = None
+    url: str,
+    proc: asyncio.subprocess.Process | None,
+    timeout_s: float,
+    log: Path | None = None,
+    *,
+    ports: tuple[int, ...] = (),
+    log_from: int = 0,
 ) -> None:
-    """Poll ``url/health`` until 200; EngineStartError when ``proc`` exits or time runs out."""
+    """Poll ``url/health`` until 200; EngineStartError when ``proc`` exits or time runs out,
+    PortTakenError as soon as the log past ``log_from`` says one of ``ports`` was in use (a
+    server whose listener thread died of it may never answer, nor exit)."""
     import aiohttp
 
     t0 = time.monotonic()
+    watch = _LogWatch(log, log_from, ports)
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=2)) as session:
         while time.monotonic() - t0 < timeout_s:
             if proc is not None and proc.returncode is not None:
                 raise EngineStartError(
                     f"{url} exited with {proc.returncode} before it was ready: {_tail(log)}"
                 )
+            taken = watch.port_taken()
+            if taken is not None:
+                raise PortTakenError(f"{url}: port {taken[0]} was taken before the instance "
+                                     f"bound it: {taken[1]}", taken[0])  # fmt: skip
             with contextlib.suppress(aiohttp.ClientError, TimeoutError):
                 async with session.get(url + "/health") as resp:
                     if resp.status == 200:
