@@ -31,13 +31,13 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
 import time
 from typing import Any
 
+from pdx.netaddr import listen_ports
 from pdx.transfer.bench import parse_size, run_bench
 
 CHUNK_KB = (256, 1024, 4096, 8192)
@@ -58,9 +58,8 @@ def ensure_iperf3() -> str | None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, outside the ephemeral range (a port-0 bind cannot be used)."""
+    return listen_ports("127.0.0.1", 1)[0]
 
 
 def _wait_listening(port: int, timeout_s: float = 5.0) -> None:

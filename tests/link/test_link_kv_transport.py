@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -29,6 +28,7 @@ from pdx.link.kv_transport import (
     kv_sweep_settings,
 )
 from pdx.link.server import ProbeServer
+from pdx.netaddr import listen_ports
 from pdx.tls import TLSConfig, init_certs
 from pdx.transfer.contract import KVStoreConfig
 from pdx.transfer.server import KVServer, create_kv_server
@@ -168,9 +168,8 @@ def test_grpc_is_listed_but_needs_a_store() -> None:
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, outside the ephemeral range (a port-0 bind cannot be used)."""
+    return listen_ports("127.0.0.1", 1)[0]
 
 
 def _run(*args: str) -> tuple[int, str, str]:

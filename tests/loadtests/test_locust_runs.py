@@ -5,12 +5,13 @@ from __future__ import annotations
 import csv
 import itertools
 import json
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from pdx.netaddr import listen_ports
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
@@ -221,7 +222,5 @@ def test_master_with_two_workers(sse_server, tmp_path: Path) -> None:
 
 
 def _free_port() -> int:
-    """An ephemeral port picked by the kernel (Locust's master cannot report a port-0 bind)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port free now, outside the ephemeral range (a port-0 bind cannot be used)."""
+    return listen_ports("127.0.0.1", 1)[0]
