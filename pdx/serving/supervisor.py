@@ -407,6 +407,8 @@ class Deployment:
         for proxy in self.proxies:
             await proxy.stop()
         await asyncio.gather(*(self._terminate(c) for c in self.children))
+        if self.engines is not None:
+            self.engines.close()
         if self._tmp is not None:
             self._tmp.cleanup()
 

@@ -511,6 +511,7 @@ async def test_a_restart_that_never_gets_ready_is_given_up_at_the_restart_bound(
         assert child.proc is not None
         kill_group(child.proc.pid)
         await child.proc.wait()
+        engines.close()
 
 
 async def test_polled_answers_past_the_cap_are_not_read(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -618,3 +619,63 @@ async def test_a_port_taken_before_the_instance_binds_it_moves_a_first_start_onl
         if child.proc is not None:
             kill_group(child.proc.pid)
             await child.proc.wait()
+        engines.close()
+
+
+# An instance that leaves what vLLM's processes leave in their temporary directory: a Unix
+# socket (its ZMQ IPC endpoints) and a rendezvous file (torch.distributed's), then serves.
+_LEAVES_TMP = """\
+import os, socket, sys, tempfile, uuid
+from aiohttp import web
+tmp = tempfile.gettempdir()
+s = socket.socket(socket.AF_UNIX)
+s.bind(os.path.join(tmp, str(uuid.uuid4())))
+open(os.path.join(tmp, "vllm_dist_" + uuid.uuid4().hex), "w").close()
+print("TMP", tmp, "INDUCTOR", os.environ.get("TORCHINDUCTOR_CACHE_DIR"), flush=True)
+port = int(sys.argv[sys.argv.index("--port") + 1])
+app = web.Application()
+app.router.add_get("/health", lambda r: web.Response(text="ok"))
+web.run_app(app, host="127.0.0.1", port=port, print=None)
+"""
+
+
+@pytest.mark.parametrize("long_work_dir", [False, True])
+async def test_what_an_instance_leaves_in_its_tmpdir_goes_with_it(
+    tmp_path: Path, long_work_dir: bool
+) -> None:
+    """Each instance gets a TMPDIR of its own (a short one where the work directory's would
+    not hold a Unix socket's name), torch's compile cache stays where it was, and the
+    directory is gone once the instance's process group is."""
+    import tempfile
+
+    # pytest's own directories are already too long for the instance's socket names
+    short = tempfile.TemporaryDirectory(prefix="pdx-test-")
+    work = tmp_path / ("w" * 40) if long_work_dir else Path(short.name)
+    work.mkdir(exist_ok=True)
+    engines = _engines(work, [f"vllm.log_dir={tmp_path}"])
+    script = tmp_path / "python"
+    script.write_text(f"#!{sys.executable}\n{_LEAVES_TMP}")
+    script.chmod(0o755)
+    assert engines.env is not None
+    engines.env = dataclasses.replace(engines.env, python=str(script))
+    child = _Child("decode-0")
+    try:
+        await engines.spawn(child)
+        tmp = engines.instance_tmp("decode-0")
+        assert tmp.is_relative_to(work) != long_work_dir
+        left = sorted(p.name for p in tmp.iterdir())
+        assert len(left) == 2 and any(n.startswith("vllm_dist_") for n in left)
+        said = (tmp_path / "decode-0.log").read_text().split()
+        assert said[said.index("TMP") + 1] == str(tmp)
+        inductor = said[said.index("INDUCTOR") + 1]
+        assert inductor.startswith(tempfile.gettempdir() + "/torchinductor_")
+    finally:
+        assert child.proc is not None
+        kill_group(child.proc.pid)
+        await child.proc.wait()
+    assert await group_gone(child.proc.pid, 10)
+    await engines.release_leftovers("decode-0")
+    assert not tmp.exists()
+    engines.close()
+    assert not tmp.parent.exists() or not long_work_dir
+    short.cleanup()

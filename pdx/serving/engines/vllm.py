@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import getpass
 import json
 import logging
 import os
 import re
+import shutil
 import signal
+import tempfile
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -208,6 +211,7 @@ class VLLMEngines:
         self.instances: dict[str, Instance] = {}
         #: per instance: its process group and the segments it mapped, read once it was ready
         self.shm: dict[str, tuple[int, set[str]]] = {}
+        self._tmp_root: Path | None = None  # instances' TMPDIRs when work_dir's are too long
 
     # --- set-up ------------------------------------------------------------------------
 
@@ -353,7 +357,8 @@ class VLLMEngines:
                 log_from = log.tell()
                 child.proc = await asyncio.create_subprocess_exec(
                     *self.argv(inst), stdout=log, stderr=log, stdin=asyncio.subprocess.DEVNULL,
-                    env={**os.environ, **self.environ(inst)}, start_new_session=True,
+                    env={**os.environ, **self.tmp_environ(inst.name), **self.environ(inst)},
+                    start_new_session=True,
                 )  # fmt: skip
             try:
                 await wait_healthy(inst.url, child.proc, timeout, child.log_path,
@@ -401,12 +406,47 @@ class VLLMEngines:
 
     async def release_leftovers(self, name: str) -> None:
         """What instance ``name``'s dead process group left in /dev/shm, unlinked (in a
-        thread: every process's maps are read)."""
+        thread: every process's maps are read), and its TMPDIR removed."""
         pgid, names = self.shm.pop(name, (0, set()))
         gone = await asyncio.to_thread(release_shm, pgid, names) if pgid else []
         if gone:
             logger.info("%s: removed %d shared-memory segment(s) its killed processes left in "
                         "%s: %s", name, len(gone), SHM_DIR, ", ".join(gone))  # fmt: skip
+        await asyncio.to_thread(shutil.rmtree, self.instance_tmp(name), ignore_errors=True)
+
+    def instance_tmp(self, name: str) -> Path:
+        """TMPDIR of instance ``name``: where vLLM puts its ZMQ sockets (one file per socket,
+        never removed: 1,792 of them had piled up in /tmp here) and torch.distributed's
+        rendezvous file. Under the work directory, or a directory of its own in the system's
+        temporary directory where that path would be too long for a Unix socket's."""
+        tmp = self.work_dir / "tmp" / name
+        if len(os.fsencode(tmp)) + IPC_NAME_LEN > UNIX_PATH_MAX:
+            if self._tmp_root is None:
+                self._tmp_root = Path(tempfile.mkdtemp(prefix="pdx-vllm-"))
+            tmp = self._tmp_root / name
+        return tmp
+
+    def tmp_environ(self, name: str) -> dict[str, str]:
+        """TMPDIR for instance ``name`` (made now), and torch's compile cache kept where it
+        was (``TORCHINDUCTOR_CACHE_DIR`` defaults to one under TMPDIR): both only for an
+        instance this deployment starts on this host."""
+        tmp = self.instance_tmp(name)
+        tmp.mkdir(parents=True, exist_ok=True)
+        env = {"TMPDIR": str(tmp)}
+        if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+            try:  # torch's own rule for that default
+                user = re.sub(r'[\\/:*?"<>|]', "_", getpass.getuser())
+            except (KeyError, OSError):
+                user = f"uid_{os.getuid()}"
+            env["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                          f"torchinductor_{user}")  # fmt: skip
+        return env
+
+    def close(self) -> None:
+        """Remove what the instances' TMPDIRs were made in (once every instance stopped)."""
+        if self._tmp_root is not None:
+            shutil.rmtree(self._tmp_root, ignore_errors=True)
+            self._tmp_root = None
 
     def describe(self, inst: Instance) -> dict[str, Any]:
         """The instance as ``pdx deploy --json`` lists it."""
@@ -447,6 +487,8 @@ def _device(choice: str, env: VLLMEnv) -> str:
 
 
 GROUP_EXIT_WAIT_S = 60.0
+#: A Unix socket's path holds 107 bytes; vLLM names its sockets <TMPDIR>/<uuid4>.
+UNIX_PATH_MAX, IPC_NAME_LEN = 107, 37
 #: Starts of one instance on fresh ports after a port it was given was taken meanwhile.
 PORT_RETRIES = 2
 SHM_DIR = Path("/dev/shm")
