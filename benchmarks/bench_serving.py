@@ -11,6 +11,13 @@ Five paths, one request at a time (latency, not throughput), the same prompt, in
                  kv_id) made by the benchmark itself on the same instances: no gateway. The
                  gateway's own cost is the per-round difference disagg − direct_grpc (goal:
                  median <= 1 ms by its interval, p99 difference <= 3 ms).
+  bare_forwarder the least an aiohttp + grpc.aio front does for the same request, in the
+                 gateway's own process and event loop, on its own channels (same mutual TLS):
+                 read the body, one orjson parse, PrefillStream, the first token's event,
+                 decode's Generate, one event per chunk. No validation, routing, metrics or
+                 text. bare_forwarder − direct_grpc is what the stack costs (two more
+                 process wake-ups, HTTP in and out); disagg − bare_forwarder is pdx's own
+                 code, so each run says which of the two a missed goal is made of.
 The deployment runs in a child process, gateway included, as ``pdx deploy`` runs it; this
 process is the client of every path, the HTTP ones through a lean client (pooled keep-alive,
 llhttp's C parser) as the gRPC one goes through grpc's C core, so neither side's client work
@@ -233,10 +240,92 @@ async def serve_deployment(sets: list[str]) -> None:
         info = {"gateway": dep.endpoints().gateway, "tls_dir": dep.endpoints().tls_dir,
                 "prefill": router.prefills[0].address, "decode": router.decodes[0].address,
                 "kv_route": dict(dep.gateway.kv_route)}  # fmt: skip
+        bare = await start_bare_forwarder(info)
+        info["bare_forwarder"] = bare.url
         print("DEPLOYMENT " + json.dumps(info), flush=True)
         await asyncio.get_running_loop().run_in_executor(None, sys.stdin.read)
+        await bare.stop()
     finally:
         await dep.stop()
+
+
+class BareForwarder:
+    """The reference front (``bare_forwarder`` above): aiohttp in, grpc.aio out, nothing else.
+    Its channels and server are its own; it shares the gateway's process and event loop."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        from aiohttp import web
+
+        from pdx._proto import serving_pb2_grpc
+        from pdx.serving.rpc import channel
+        from pdx.tls import tls_for
+
+        tls = tls_for(Path(info["tls_dir"]), "gateway") if info["tls_dir"] else None
+        self.channels = [channel(info["prefill"], tls), channel(info["decode"], tls)]
+        self.prefill = serving_pb2_grpc.PrefillStub(self.channels[0])
+        self.decode = serving_pb2_grpc.DecodeStub(self.channels[1])
+        self.kv_route: dict[str, str] = info["kv_route"]
+        self.count = 0
+        app = web.Application(client_max_size=16 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app, access_log=None)
+        self.url = ""
+
+    async def completions(self, request: Any) -> Any:
+        import orjson
+        from aiohttp import web
+
+        from pdx._proto import serving_pb2
+
+        body = orjson.loads(await request.read())
+        self.count += 1
+        rid = f"bare-{self.count}"
+        sampling = serving_pb2.SamplingParams(max_tokens=body["max_tokens"], temperature=0.0,
+                                              ignore_eos=True)  # fmt: skip
+        prompt = body["prompt"]
+        call = self.prefill.PrefillStream(
+            serving_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling=sampling),
+            timeout=60,
+        )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        gen = serving_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                          sampling=sampling)  # fmt: skip
+        async for event in call:
+            if event.HasField("first"):
+                await resp.prepare(request)
+                await resp.write(b'data: {"choices":[{"index":0,"token_ids":[%d]}]}\n\n'
+                                 % event.first.first_token)  # fmt: skip
+                gen.first_token, gen.has_first_token = event.first.first_token, True
+            elif event.HasField("stored"):
+                gen.kv_id = event.stored.kv_id
+                gen.kv_endpoint = self.kv_route.get(event.stored.kv_endpoint,
+                                                    event.stored.kv_endpoint)  # fmt: skip
+        skip = 1  # decode echoes prefill's first token first
+        async for chunk in self.decode.Generate(gen, timeout=60):
+            ids = list(chunk.token_ids)[skip:]
+            skip = 0
+            if ids:
+                await resp.write(b'data: {"choices":[{"index":0,"token_ids":%s}]}\n\n'
+                                 % orjson.dumps(ids))  # fmt: skip
+        await resp.write(b'data: {"choices":[{"index":0}],"pdx":{}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+        for ch in self.channels:
+            await ch.close()
+
+
+async def start_bare_forwarder(info: dict[str, Any]) -> BareForwarder:
+    """The reference front, serving on a free loopback port."""
+    from aiohttp import web
+
+    bare = BareForwarder(info)
+    await bare.runner.setup()
+    site = web.TCPSite(bare.runner, "127.0.0.1", 0)
+    await site.start()
+    bare.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1/completions"  # type: ignore[union-attr]
+    return bare
 
 
 async def start_deployment(sets: list[str]) -> tuple[asyncio.subprocess.Process, dict[str, Any]]:
@@ -306,18 +395,23 @@ async def served(args: argparse.Namespace, prompt: list[int]) -> dict[str, list[
     colo = Colocated()
     bodies = {route: json.dumps(_body(prompt, args, route)).encode()
               for route in ("", "local", "disaggregated")}  # fmt: skip
+    bodies["bare"] = json.dumps({"prompt": prompt, "max_tokens": args.max_tokens}).encode()
     calls: dict[str, Callable[[], Any]] = {
         "colocated": lambda: asyncio.to_thread(colo.once, prompt, args.max_tokens),
         "colocated_http": lambda: one_request(http, colo_url, bodies[""]),
         "local": lambda: one_request(http, url, bodies["local"]),
         "disaggregated": lambda: one_request(http, url, bodies["disaggregated"]),
         "direct_grpc": lambda: direct_grpc(direct, prompt, args.max_tokens),
+        "bare_forwarder": lambda: one_request(http, info["bare_forwarder"], bodies["bare"]),
     }
     out: dict[str, list[dict[str, Any]]] = {name: [] for name in calls}
     try:
         for i in range(3 + args.requests):  # 3 warm-ups: connections, TLS, allocator
-            for name, call in calls.items():  # interleaved, so drift hits every path alike
-                result = await call()
+            # interleaved, so drift hits every path alike; the order reversed every other
+            # round, so no path always follows the same one
+            order = list(calls) if i % 2 == 0 else list(reversed(calls))
+            for name in order:
+                result = await calls[name]()
                 if i >= 3:
                     out[name].append(result)
     finally:
@@ -436,6 +530,14 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                                                             strict=True)])
         for key in ("ttft_ms", "tpot_ms")
     }  # fmt: skip
+    # ... and split: the stack's floor (the bare forwarder over direct) and pdx's own code
+    # (the gateway over the bare forwarder), the same way
+    split = {
+        name: median_bounds([a["ttft_ms"] - b["ttft_ms"] for a, b in zip(runs[x], runs[y],
+                                                                         strict=True)])
+        for name, x, y in (("bare_forwarder_over_direct_grpc_ms", "bare_forwarder", "direct_grpc"),
+                           ("gateway_over_bare_forwarder_ms", "disaggregated", "bare_forwarder"))
+    }  # fmt: skip
     p99 = {route: p99_bounds([r["ttft_ms"] for r in rs]) for route, rs in runs.items()}
     gw_p99 = p99_difference(p99["disaggregated"], p99["direct_grpc"])
     gw_goal = {"median": judge(gw["ttft_ms"], GATEWAY_GOAL_MS),
@@ -454,6 +556,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
         "goal_met": {b: v <= goal for b, v in overhead.items()},
         "tpot_ratio_disagg_to_local": paths["disaggregated"]["tpot_ms"] / paths["local"]["tpot_ms"],
         "gateway_over_direct_grpc_ms": gw,
+        **split,
         "ttft_p99_ms": p99,
         "gateway_over_direct_grpc_p99_ms": gw_p99,
         "gateway_goal": gw_goal,
@@ -520,6 +623,12 @@ def render(result: dict[str, Any]) -> None:
         "gateway over pdx's two gRPC calls made directly (per-round median, 90 % interval): "
         f"TTFT {_interval(ttft, '{:+.2f}')} ms, "
         f"TPOT {_interval(tpot, '{:+.3f}')} ms"
+    )
+    print(
+        "  of it: the bare forwarder (aiohttp + grpc.aio, nothing else) over direct TTFT "
+        f"{_interval(result['bare_forwarder_over_direct_grpc_ms'], '{:+.2f}')} ms (the stack), "
+        f"the gateway over the bare forwarder "
+        f"{_interval(result['gateway_over_bare_forwarder_ms'], '{:+.2f}')} ms (pdx's own code)"
     )
     goal, p99 = result["gateway_goal"], result["ttft_p99_ms"]
     print(
