@@ -249,73 +249,6 @@ async def serve_deployment(sets: list[str]) -> None:
         await dep.stop()
 
 
-class BareForwarder:
-    """The reference front (``bare_forwarder`` above): aiohttp in, grpc.aio out, nothing else.
-    Its channels and server are its own; it shares the gateway's process and event loop."""
-
-    def __init__(self, info: dict[str, Any]) -> None:
-        from aiohttp import web
-
-        from pdx._proto import serving_pb2_grpc
-        from pdx.serving.rpc import channel
-        from pdx.tls import tls_for
-
-        tls = tls_for(Path(info["tls_dir"]), "gateway") if info["tls_dir"] else None
-        self.channels = [channel(info["prefill"], tls), channel(info["decode"], tls)]
-        self.prefill = serving_pb2_grpc.PrefillStub(self.channels[0])
-        self.decode = serving_pb2_grpc.DecodeStub(self.channels[1])
-        self.kv_route: dict[str, str] = info["kv_route"]
-        self.count = 0
-        app = web.Application(client_max_size=16 << 20)
-        app.router.add_post("/v1/completions", self.completions)
-        self.runner = web.AppRunner(app, access_log=None)
-        self.url = ""
-
-    async def completions(self, request: Any) -> Any:
-        import orjson
-        from aiohttp import web
-
-        from pdx._proto import serving_pb2
-
-        body = orjson.loads(await request.read())
-        self.count += 1
-        rid = f"bare-{self.count}"
-        sampling = serving_pb2.SamplingParams(max_tokens=body["max_tokens"], temperature=0.0,
-                                              ignore_eos=True)  # fmt: skip
-        prompt = body["prompt"]
-        call = self.prefill.PrefillStream(
-            serving_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling=sampling),
-            timeout=60,
-        )
-        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        gen = serving_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
-                                          sampling=sampling)  # fmt: skip
-        async for event in call:
-            if event.HasField("first"):
-                await resp.prepare(request)
-                await resp.write(b'data: {"choices":[{"index":0,"token_ids":[%d]}]}\n\n'
-                                 % event.first.first_token)  # fmt: skip
-                gen.first_token, gen.has_first_token = event.first.first_token, True
-            elif event.HasField("stored"):
-                gen.kv_id = event.stored.kv_id
-                gen.kv_endpoint = self.kv_route.get(event.stored.kv_endpoint,
-                                                    event.stored.kv_endpoint)  # fmt: skip
-        skip = 1  # decode echoes prefill's first token first
-        async for chunk in self.decode.Generate(gen, timeout=60):
-            ids = list(chunk.token_ids)[skip:]
-            skip = 0
-            if ids:
-                await resp.write(b'data: {"choices":[{"index":0,"token_ids":%s}]}\n\n'
-                                 % orjson.dumps(ids))  # fmt: skip
-        await resp.write(b'data: {"choices":[{"index":0}],"pdx":{}}\n\ndata: [DONE]\n\n')
-        return resp
-
-    async def stop(self) -> None:
-        await self.runner.cleanup()
-        for ch in self.channels:
-            await ch.close()
-
-
 async def start_bare_forwarder(info: dict[str, Any]) -> BareForwarder:
     """The reference front, serving on a free loopback port."""
     from aiohttp import web
@@ -371,9 +304,71 @@ class DirectClient:
         self.decode = serving_pb2_grpc.DecodeStub(self.channels[1])
         self.kv_route: dict[str, str] = info["kv_route"]
 
+    def take_stored(self, gen: Any, stored: Any) -> None:
+        """Decode's request given prefill's stored KV (its address as the gateway routes it)."""
+        gen.kv_id = stored.kv_id
+        gen.kv_endpoint = self.kv_route.get(stored.kv_endpoint, stored.kv_endpoint)
+
     async def close(self) -> None:
         for ch in self.channels:
             await ch.close()
+
+
+class BareForwarder(DirectClient):
+    """The reference front (``bare_forwarder`` above): aiohttp in, grpc.aio out, nothing else.
+    Its channels (the direct client's) and server are its own; it shares the gateway's
+    process and event loop."""
+
+    def __init__(self, info: dict[str, Any]) -> None:
+        from aiohttp import web
+
+        super().__init__(info)
+        self.count = 0
+        app = web.Application(client_max_size=16 << 20)
+        app.router.add_post("/v1/completions", self.completions)
+        self.runner = web.AppRunner(app, access_log=None)
+        self.url = ""
+
+    async def completions(self, request: Any) -> Any:
+        import orjson
+        from aiohttp import web
+
+        from pdx._proto import serving_pb2
+
+        body = orjson.loads(await request.read())
+        self.count += 1
+        rid = f"bare-{self.count}"
+        sampling = serving_pb2.SamplingParams(max_tokens=body["max_tokens"], temperature=0.0,
+                                              ignore_eos=True)  # fmt: skip
+        prompt = body["prompt"]
+        call = self.prefill.PrefillStream(
+            serving_pb2.PrefillRequest(request_id=rid, token_ids=prompt, sampling=sampling),
+            timeout=60,
+        )
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        gen = serving_pb2.GenerateRequest(request_id=rid, prompt_token_ids=prompt,
+                                          sampling=sampling)  # fmt: skip
+        async for event in call:
+            if event.HasField("first"):
+                await resp.prepare(request)
+                await resp.write(b'data: {"choices":[{"index":0,"token_ids":[%d]}]}\n\n'
+                                 % event.first.first_token)  # fmt: skip
+                gen.first_token, gen.has_first_token = event.first.first_token, True
+            elif event.HasField("stored"):
+                self.take_stored(gen, event.stored)
+        skip = 1  # decode echoes prefill's first token first
+        async for chunk in self.decode.Generate(gen, timeout=60):
+            ids = list(chunk.token_ids)[skip:]
+            skip = 0
+            if ids:
+                await resp.write(b'data: {"choices":[{"index":0,"token_ids":%s}]}\n\n'
+                                 % orjson.dumps(ids))  # fmt: skip
+        await resp.write(b'data: {"choices":[{"index":0}],"pdx":{}}\n\ndata: [DONE]\n\n')
+        return resp
+
+    async def stop(self) -> None:
+        await self.runner.cleanup()
+        await self.close()
 
 
 async def served(args: argparse.Namespace, prompt: list[int]) -> dict[str, list[dict[str, Any]]]:
@@ -442,9 +437,7 @@ async def direct_grpc(direct: DirectClient, prompt: list[int], max_tokens: int) 
             stamps.append(time.perf_counter())
             gen.first_token, gen.has_first_token = event.first.first_token, True
         elif event.HasField("stored"):
-            gen.kv_id = event.stored.kv_id
-            gen.kv_endpoint = direct.kv_route.get(event.stored.kv_endpoint,
-                                                  event.stored.kv_endpoint)  # fmt: skip
+            direct.take_stored(gen, event.stored)
     skip = 1  # decode echoes prefill's first token first
     async for chunk in direct.decode.Generate(gen, timeout=60):
         for _ in chunk.token_ids:
