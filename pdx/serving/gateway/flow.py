@@ -27,6 +27,7 @@ from pdx.serving.router import Decision, PrefillInstance
 MARKS = ("prefill_first_event", "prefill_stored_event", "decode_first_chunk",
          "first_to_second_token")  # fmt: skip
 STREAMED_MARKS = ("prefill_opened_event",)  # only with kv.streaming
+WINDOW_IDS = 8  # ids a text window holds at most before it starts again one id back
 
 
 @dataclass
@@ -47,11 +48,42 @@ class TextTracker:
         self.tokenizer, self.stops, self.min_tokens = tokenizer, stops, min_tokens
         self.hold = max((len(s) for s in stops), default=1) - 1
         self.checked = 0  # length of the text already searched
+        # Rendered incrementally: decoding every id so far at each token is quadratic in the
+        # output (its own figure in docs/performance.md). Each update decodes a window from
+        # the token before the last committed ones, and adds what the new ids added to the
+        # window's text: a tokenizer's rule for a window's first token (a dropped leading
+        # space) applies alike to both decodes, so their difference is the new text.
+        self._text = ""  # the text of ids[:_read]
+        self._prefix = self._read = 0  # the window starts at _prefix
+        self._window = ""  # the text of ids[_prefix:_read] decoded alone
 
     def update(self, out: Outcome) -> bool:
-        """Recompute ``out.text``; True when a stop string matched (text cut before it)."""
-        out.text = self.tokenizer.decode(out.tokens)
-        return self._stopped(out, len(out.tokens))
+        """Extend ``out.text`` with the newest ids; True when a stop string matched (text
+        cut before it). ``out.text`` is what decoding every id would give."""
+        ids = out.tokens
+        now = self.tokenizer.decode(ids[self._prefix :])
+        if not now.startswith(self._window):  # not additive here: decode it all, once
+            out.text = self.tokenizer.decode(ids)
+            self._commit(ids, out.text)
+        elif now.endswith("\ufffd"):  # a character still incomplete: nothing committed
+            out.text = self._text + now[len(self._window) :]
+        else:
+            out.text = self._text + now[len(self._window) :]
+            self._commit(ids, out.text)
+        return self._stopped(out, len(ids))
+
+    def _commit(self, ids: list[int], text: str) -> None:
+        """The text now holds every id; the next window starts at the last committed ones
+        (one id back after a long incomplete run), and further back while it renders
+        nothing (a special id, say: a window beginning with it would lose the next word's
+        leading space, as a decode's first word does)."""
+        self._text, self._prefix, self._read = text, self._read, len(ids)
+        if self._read - self._prefix > WINDOW_IDS:
+            self._prefix = self._read - 1
+        self._window = self.tokenizer.decode(ids[self._prefix : self._read])
+        while not self._window and self._prefix > 0:
+            self._prefix = max(0, self._prefix - 1) if self._read - self._prefix < WINDOW_IDS else 0
+            self._window = self.tokenizer.decode(ids[self._prefix : self._read])
 
     def feed(self, out: Outcome, text: str, tokens: int) -> bool:
         """Append text an engine already detokenized (``tokens``: the count with it); True
