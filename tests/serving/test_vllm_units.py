@@ -679,3 +679,19 @@ async def test_what_an_instance_leaves_in_its_tmpdir_goes_with_it(
     engines.close()
     assert not tmp.parent.exists() or not long_work_dir
     short.cleanup()
+
+
+def test_the_log_watch_reads_only_this_starts_lines_whole(tmp_path: Path) -> None:
+    """What an earlier start wrote is not read; a line split across two reads is read whole;
+    progress bars' carriage returns end a line; another port holding the digits is not it."""
+    log = tmp_path / "prefill-0.log"
+    log.write_bytes(b"an earlier start: address already in use on port 4242\n")
+    watch = vllm_engines._LogWatch(log, log.stat().st_size, (4242, 0))
+    assert watch.port_taken() is None
+    with log.open("ab") as f:
+        f.write(b"Loading 10%\rLoading 100%\rport 14242 already in use\nbind ('127.0.0.1', 42")
+    assert watch.port_taken() is None  # 14242 is another port; the last line is half here
+    with log.open("ab") as f:
+        f.write(b"42): address already in use\n")
+    port, line = watch.port_taken() or (0, "")
+    assert port == 4242 and line.startswith("bind ('127.0.0.1', 4242)")

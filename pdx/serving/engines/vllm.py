@@ -584,7 +584,9 @@ class _LogWatch:
         except OSError:
             return None
         self.offset += len(data)
-        *lines, self.rest = (self.rest + data).split(b"\n")
+        # progress bars redraw with \r and no \n: a line is kept to its last 4 KiB
+        *lines, rest = re.split(rb"[\r\n]", self.rest + data)
+        self.rest = rest[-4096:]
         for line in lines:
             if b"already in use" not in line.lower():
                 continue
