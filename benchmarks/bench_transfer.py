@@ -37,7 +37,7 @@ import sys
 import time
 from typing import Any
 
-from pdx.netaddr import listen_ports
+from pdx.netaddr import listen_port
 from pdx.transfer.bench import parse_size, run_bench
 
 CHUNK_KB = (256, 1024, 4096, 8192)
@@ -55,11 +55,6 @@ def ensure_iperf3() -> str | None:
                 return None
         path = shutil.which("iperf3")
     return path
-
-
-def _free_port() -> int:
-    """A loopback port free now, outside the ephemeral range (a port-0 bind cannot be used)."""
-    return listen_ports("127.0.0.1", 1)[0]
 
 
 def _wait_listening(port: int, timeout_s: float = 5.0) -> None:
@@ -81,7 +76,7 @@ def _wait_listening(port: int, timeout_s: float = 5.0) -> None:
 
 def iperf3_run(iperf3: str, seconds: int = 2) -> tuple[float, float]:
     """Single-stream TCP on loopback: (goodput GB/s at the receiver, CPU-s per GB, both ends)."""
-    port = _free_port()
+    port = listen_port()
     server = subprocess.Popen(
         [iperf3, "-s", "-1", "-p", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )

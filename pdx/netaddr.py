@@ -76,6 +76,12 @@ def listen_ports(host: str, count: int, *, tries: int = 200) -> list[int]:
             s.close()
 
 
+def listen_port(host: str = "127.0.0.1") -> int:
+    """One port for a tool that binds later and cannot report a port-0 bind
+    (:func:`listen_ports`)."""
+    return listen_ports(host, 1)[0]
+
+
 def _bind_one(
     host: str, family: int, pool: list[tuple[int, int]], rng: random.Random, tries: int
 ) -> socket.socket:

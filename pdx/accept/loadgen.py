@@ -17,7 +17,7 @@ from typing import Any
 
 from pdx.accept.playbook import Playbook, Step
 from pdx.errors import InputError
-from pdx.netaddr import listen_ports
+from pdx.netaddr import listen_port
 
 
 def default_locustfile() -> Path:
@@ -35,12 +35,6 @@ def resolve_locustfile(pb: Playbook, playbook_dir: Path) -> Path:
     if not path.is_file():
         raise InputError("load.locustfile", str(path), "an existing locustfile")
     return path
-
-
-def free_port() -> int:
-    """A loopback port for a tool that cannot report a 0-bind, outside the ephemeral range
-    (nothing takes it by connecting out before the tool binds it)."""
-    return listen_ports("127.0.0.1", 1)[0]
 
 
 def step_args(pb: Playbook, step: Step, url: str, records_dir: Path) -> list[str]:
@@ -131,7 +125,7 @@ class LocustRun:
             if workers <= 0:
                 main = await self._spawn(run_args, log)
             else:
-                port = free_port()
+                port = listen_port()  # outside the ephemeral range
                 main = await self._spawn(
                     [
                         *run_args,

@@ -28,7 +28,7 @@ from pdx.link.kv_transport import (
     kv_sweep_settings,
 )
 from pdx.link.server import ProbeServer
-from pdx.netaddr import listen_ports
+from pdx.netaddr import listen_port
 from pdx.tls import TLSConfig, init_certs
 from pdx.transfer.contract import KVStoreConfig
 from pdx.transfer.server import KVServer, create_kv_server
@@ -167,11 +167,6 @@ def test_grpc_is_listed_but_needs_a_store() -> None:
         get_chunk_transport("grpc")(ProbeSession("127.0.0.1", 1, None))
 
 
-def _free_port() -> int:
-    """A loopback port free now, outside the ephemeral range (a port-0 bind cannot be used)."""
-    return listen_ports("127.0.0.1", 1)[0]
-
-
 def _run(*args: str) -> tuple[int, str, str]:
     result = CliRunner().invoke(app, list(args))
     return result.exit_code, result.stdout, result.stderr
@@ -231,7 +226,7 @@ def test_kv_target_without_grpc_transport_is_refused() -> None:
 
 
 def test_unreachable_kv_store_exits_2_before_probing() -> None:
-    port = _free_port()
+    port = listen_port()
     # The probe server address is unreachable too: the KV store is checked first.
     code, out, err = _run(
         "probe-link", "127.0.0.1:1", *CHUNKS_ONLY, "--kv-target", f"127.0.0.1:{port}"

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pdx.netaddr import listen_ports
+from pdx.netaddr import listen_port
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUSTFILE = ROOT / "loadtests" / "locustfile.py"
@@ -147,7 +147,7 @@ def test_open_loop_poisson_from_intended_time(sse_server, tmp_path: Path) -> Non
 
 @pytest.mark.slow
 def test_master_with_two_workers(sse_server, tmp_path: Path) -> None:
-    port = _free_port()
+    port = listen_port()
     master = subprocess.Popen(
         [
             sys.executable,
@@ -219,8 +219,3 @@ def test_master_with_two_workers(sse_server, tmp_path: Path) -> None:
     assert all(not r["ok"] and r["error"].startswith("unfinished") for r in stopped)
     assert all(r["ok"] and r["output_tokens"] == 4 for r in recs if not r["unfinished"])
     assert int(_stats(tmp_path / "dist")["e2e"]["Request Count"]) > 0
-
-
-def _free_port() -> int:
-    """A loopback port free now, outside the ephemeral range (a port-0 bind cannot be used)."""
-    return listen_ports("127.0.0.1", 1)[0]

@@ -112,12 +112,6 @@ def _url_host(host: str) -> str:
     return f"[{host}]" if ":" in host else host
 
 
-def free_port(host: str, netns: str | None = None) -> int:
-    """A port the kernel says is free on ``host`` now, in ``netns`` when given (the instance
-    binds it shortly after)."""
-    return free_ports(host, 1, netns)[0]
-
-
 def resolve_model(v: VLLMConfig, cache_dir: Path) -> Path:
     """The checkpoint directory: a tiny preset exported once under ``cache_dir``, or yours."""
     from pdx.serving.backends.presets import TINY_PRESETS
@@ -332,16 +326,8 @@ class VLLMEngines:
         """Start (or restart) the instance of ``child``; fill ``child.info`` once it is ready."""
         inst = self.instances[child.name]
         restart = child.proc is not None
-        if child.proc is not None:  # a restart: leftovers of the old process group go first
-            old = child.proc.pid
-            kill_group(old)
-            # ... and are gone before the new one starts: an engine worker tearing down its
-            # memory can take seconds, on cores the new instance is about to use.
-            if not await group_gone(old, GROUP_EXIT_WAIT_S):
-                logger.warning("%s: processes of the old instance (group %d) still exiting after "
-                            "%g s; starting the new one anyway", child.name, old,
-                            GROUP_EXIT_WAIT_S)  # fmt: skip
-            await self.release_leftovers(child.name)
+        if restart:  # leftovers of the old process group go first
+            await self._end_group(child)
         log_dir = self.cfg.vllm.log_dir or self.work_dir
         log_dir.mkdir(parents=True, exist_ok=True)
         if self.cfg.kv.audit_dir is not None:
@@ -395,13 +381,24 @@ class VLLMEngines:
                                           else next(free)))  # fmt: skip
 
     async def _discard(self, child: ChildLike) -> None:
-        """Kill a start that failed and clear what its process group left."""
+        """Kill a start that failed and clear what its process group left (its segments are
+        read first: a start that never got ready has none recorded)."""
         assert child.proc is not None
         pid = child.proc.pid
         self.shm[child.name] = (pid, await asyncio.to_thread(group_shm, pid))
+        await self._end_group(child)
+
+    async def _end_group(self, child: ChildLike) -> None:
+        """Kill ``child``'s process group and clear what it left once it is gone, before the
+        next instance starts: an engine worker tearing down its memory can take seconds, on
+        cores the new instance is about to use."""
+        assert child.proc is not None
+        pid = child.proc.pid
         kill_group(pid)
-        await group_gone(pid, GROUP_EXIT_WAIT_S)
-        await child.proc.wait()
+        if not await group_gone(pid, GROUP_EXIT_WAIT_S):
+            logger.warning("%s: processes of the old instance (group %d) still exiting after "
+                           "%g s; starting the new one anyway", child.name, pid,
+                           GROUP_EXIT_WAIT_S)  # fmt: skip
         await self.release_leftovers(child.name)
 
     async def release_leftovers(self, name: str) -> None:
