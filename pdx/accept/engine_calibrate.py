@@ -30,6 +30,10 @@ from typing import Any
 
 from pdx.accept.metrics import split_key
 
+# The simulator's fields for vLLM's flow (above): the first token from decode's first step,
+# the prompt across the link to prefill and its answer back.
+VLLM_FLOW: dict[str, Any] = {"first_token_from": "decode", "prefill_over_link": True}
+
 
 def _mean(delta: dict[str, float], name: str, role: str) -> float | None:
     """Mean of a histogram over the instances of one role during the step (sum / count)."""

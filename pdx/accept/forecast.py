@@ -178,7 +178,9 @@ class _EngineCalibration:
         return self.compute, "the run's vLLM timings (vllm: series)"
 
     def pull_fields(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"first_token_from": "decode", "prefill_over_link": True}
+        from pdx.accept.engine_calibrate import VLLM_FLOW
+
+        out: dict[str, Any] = dict(VLLM_FLOW)
         if self.pull is not None:
             out["link_round_trips"], out["link_fixed_s"] = self.pull
         return out

@@ -2,11 +2,18 @@
 
 The compute comes from the first probe's server timings, the model from the pre-flight
 measure-kv, the link from the pre-flight probe (as each step's prediction does, see
-:mod:`pdx.accept.prediction`). For ``rate`` the simulator replays Poisson arrivals at each
-candidate rate with the probe's lengths and duration; for the link parameters it replays the
-first probe's own requests over a link with that RTT, loss or bandwidth. The predicted figures
-(TTFT p50/p99, TPOT p50/p99, transfer p50) are set against the step's latency criteria; the
-largest ratio figure / threshold decides: at most 1 is GO. The curve over the range (and past
+:mod:`pdx.accept.prediction`). With ``engine: vllm`` the compute comes from the first probe's
+``vllm:`` series instead (:mod:`pdx.accept.engine_calibrate`, as a run's forecast does), and
+so does the NIXL pull's own time: one probe at one RTT cannot tell the pull's round trips
+from its fixed part (a run's forecast fits both on steps at several RTTs), so the pull is
+taken as ``PULL_ROUND_TRIPS`` round trip (the read request and its data) plus the rest of
+what the first probe measured as a fixed time.
+
+For ``rate`` the simulator replays Poisson arrivals at each candidate rate with the probe's
+lengths and duration; for the link parameters it replays the first probe's own requests over
+a link with that RTT, loss or bandwidth. The predicted figures (TTFT p50/p99, TPOT p50/p99,
+transfer p50) are set against the step's latency criteria; the largest ratio figure /
+threshold decides: at most 1 is GO. The curve over the range (and past
 it, up to ``EXTRAPOLATE`` × its bad end, labelled a prediction) is what the envelope plot draws.
 """
 
@@ -17,12 +24,22 @@ from pathlib import Path
 from typing import Any
 
 from pdx.accept.playbook import Playbook, Step, step_criteria
-from pdx.accept.prediction import deploy_facts, sim_fields, simulate_step, step_workload
+from pdx.accept.prediction import (
+    deploy_facts,
+    goodput_bps,
+    sim_fields,
+    simulate_step,
+    step_workload,
+)
+from pdx.accept.report import StepReport
 from pdx.accept.search import Axis
 
 PREDICTED = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "transfer_p50_ms")
 CURVE_POINTS = 10
 EXTRAPOLATE = 4.0  # the curve and the extrapolated limit reach this far past the range
+# vLLM: round trips of the link in one NIXL pull (a read request, the blocks back); the line
+# fitted on playbooks/vllm-cross-dc.yaml's steps at 10 and 40 ms had a slope of 0.90
+PULL_ROUND_TRIPS = 1.0
 
 
 def _step_dict(step: Step, summary: dict[str, Any]) -> dict[str, Any]:
@@ -39,24 +56,61 @@ class LimitModel:
         playbook_dir: Path,
         axis: Axis,
         step: Step,
-        summary: dict[str, Any],
+        report: StepReport,
         records: list[dict[str, Any]],
         preflight: dict[str, Any],
     ) -> None:
+        from pdx.accept.engine_calibrate import engine_compute
         from pdx.accept.probe import summary as probe_summary
         from pdx.sim.calibrate import compute_fits, model_fields
 
         self.axis, self.step, self.pb = axis, step, pb
         kv = preflight.get("measure_kv") or preflight.get("_kv")
         model = model_fields({"preflight": {"measure_kv": kv}, "name": pb.name})
-        compute, _ = compute_fits([_step_dict(step, summary)], model)
+        facts = deploy_facts(pb, playbook_dir)
+        self.engine = facts.engine
+        if facts.engine == "vllm":
+            compute, _ = engine_compute([(step, report)], model)
+        else:
+            compute, _ = compute_fits([_step_dict(step, report.summary)], model)
         probe = preflight.get("probe_link") or {}
         link: dict[str, Any] = (probe_summary(probe) if probe.get("report") else None) or {}
         self.link = link
-        self.fields = sim_fields(compute, model, link, deploy_facts(pb, playbook_dir))
+        self.fields = sim_fields(compute, model, link, facts)
+        self.pull: dict[str, Any] = {}  # vLLM: how the NIXL pull was calibrated
+        if self.fields is not None and facts.engine == "vllm":
+            self.fields.update(self._pull(report, model, goodput_bps(link, facts.kv_streams)))
         self.workload = step_workload(records)
         crit = step_criteria(pb, step)
         self.thresholds = {m: getattr(crit, m) for m in PREDICTED if getattr(crit, m, None)}
+
+    def _pull(self, report: StepReport, model: dict[str, Any], bps: float | None) -> dict[str, Any]:
+        """vLLM's flow (the first token from decode, the prompt across the link to prefill)
+        and its pull: ``PULL_ROUND_TRIPS`` of the link the first probe ran on, the rest of
+        its measured pull (transfer p50 − wire time − one decode step) a fixed time."""
+        from pdx.accept.engine_calibrate import VLLM_FLOW, pull_point
+
+        out: dict[str, Any] = dict(VLLM_FLOW)
+        ax = self.axis
+        rtt_ms = self._rtt_ms(ax.best if ax.param == "rtt_ms" else 0.0)  # the first probe's
+        if bps and ax.param == "bandwidth_mbps":
+            bps = min(bps, ax.best * 1e6)
+        point = pull_point(self.step, report, {"rtt_p50_ms": rtt_ms}, bps, model)
+        if point is not None:
+            rtt_s, pull_s = point
+            out["link_round_trips"] = PULL_ROUND_TRIPS
+            out["link_fixed_s"] = max(0.0, pull_s - PULL_ROUND_TRIPS * rtt_s)
+            self.pull = {"measured_ms": round(pull_s * 1e3, 3), "at_rtt_ms": round(rtt_ms, 3),
+                         "round_trips": PULL_ROUND_TRIPS,
+                         "fixed_ms": round(out["link_fixed_s"] * 1e3, 3)}  # fmt: skip
+        else:  # no transfer p50 or decode step to take it from: the link's round trips only
+            self.pull = {"measured_ms": None,
+                         "round_trips": (self.fields or {}).get("link_round_trips")}  # fmt: skip
+        return out
+
+    def _rtt_ms(self, added_ms: float) -> float:
+        """The link's RTT with ``added_ms`` of emulated delay (an ``rtt_ms`` probe's value)."""
+        return float(self.link.get("rtt_p50_ms") or 0.0) + added_ms
 
     def why_not(self) -> str | None:
         """Why this search has no prediction (None: it has one)."""
@@ -67,6 +121,9 @@ class LimitModel:
         if self.fields is None:
             return "no link figures (preflight.probe_link is off or its probe failed)"
         missing = [k for k in ("prefill_flops", "decode_hbm_bytes_per_s") if k not in self.fields]
+        if missing and self.engine == "vllm":
+            return (f"the first probe's vllm: series gave no {', '.join(missing)} (prefill's "
+                    "time to first token, decode's inter-token latency)")  # fmt: skip
         if missing:
             return f"the first probe's servers reported no {', '.join(missing)} timings"
         if self.workload is None:
@@ -87,7 +144,7 @@ class LimitModel:
                 prompt_tokens=[self.step.input_tokens], prompt_weights=[1.0],
                 output_tokens=self.step.output_tokens, trace=None))  # fmt: skip
         elif param == "rtt_ms":
-            fields["link_rtt_s"] = float(self.link.get("rtt_p50_ms") or 0.0) / 1e3 + value / 1e3
+            fields["link_rtt_s"] = self._rtt_ms(value) / 1e3
         elif param == "loss":
             fields["link_loss"] = min(0.5, value)
         elif param == "bandwidth_mbps":
@@ -129,9 +186,11 @@ def predict(model: LimitModel) -> dict[str, Any]:
         "beyond_reach": limit is None and not below,
         "calibrated_on": model.step.id,
         "link": {k: model.link.get(k) for k in ("rtt_p50_ms", "down_gbps", "loss_down_pct")},
+        **({"pull": model.pull} if model.pull else {}),
         "curve": curve,
-        "method": "simulator calibrated on the first probe (its server timings, the pre-flight "
-        "model and link); the largest predicted figure / threshold crosses 1",
+        "method": "simulator calibrated on the first probe (its server timings, or with vLLM "
+        "its vllm: series and its pull, the pre-flight model and link); the largest predicted "
+        "figure / threshold crosses 1",
     }
 
 

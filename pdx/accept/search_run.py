@@ -266,7 +266,7 @@ class SearchRun(AcceptRun):
 
         try:
             model = LimitModel(self.pb, self.playbook_dir, self.axis, first.step,
-                               first.report.summary, first.records,
+                               first.report, first.records,
                                dict(self.preflight or {}))  # fmt: skip
             return await asyncio.to_thread(predict, model)
         except Exception as exc:  # a failed prediction only costs the search its head start

@@ -192,6 +192,7 @@ class _Linear:
     def __init__(self, limit: float) -> None:
         self.limit, self.step = limit, type("S", (), {"id": "s00"})()
         self.link: dict[str, Any] = {}
+        self.pull: dict[str, Any] = {}
 
     def why_not(self) -> None:
         return None
