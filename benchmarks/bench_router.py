@@ -32,7 +32,8 @@ prefill process stops the phase instead of being reported as a kill.
 
     python benchmarks/bench_router.py [--requests 20] [--prompt-tokens 300] [--max-tokens 32]
         [--users 4] [--load-s 20] [--kill-window-s 120] [--kill-rps 4]
-        [--phases latency,throughput,kill] [--json]
+        [--phases latency,throughput,kill] [--references direct,two-step,two-step-doc]
+        [--json]
 """
 
 from __future__ import annotations
@@ -241,7 +242,7 @@ async def latency(
     fronts: dict[str, str], urls: dict[str, str], model: str, args: Any
 ) -> dict[str, Any]:
     """One request at a time, the fronts interleaved, after a warm-up round."""
-    names = ["direct", "two-step", "two-step-doc", *fronts]
+    names = [*_references(args.references), *fronts]
     rows: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     async with aiohttp.ClientSession() as s:
         for rnd in range(args.requests + 2):
@@ -275,7 +276,7 @@ async def latency(
             out[name]["prefill_finish"] = {f: finishes.count(f) for f in set(finishes)}
             out[name]["kv_params_returned"] = sum(1 for r in rs if r.get("kv_params"))
     base = out["two-step"]
-    for name in ["two-step-doc", *fronts]:
+    for name in [n for n in names if n not in ("direct", "two-step")]:
         paired = _paired(rows[name], rows["two-step"])
         if paired is not None:
             out[name]["ttft_paired_overhead_ms"] = paired
@@ -289,6 +290,20 @@ async def latency(
         if name in fronts and paired is not None:
             out[name]["goal"] = _goal(paired, out[name]["ttft_p99_overhead_bounds_ms"])
     return out
+
+
+REFERENCES = ("direct", "two-step", "two-step-doc")
+
+
+def _references(spec: str) -> list[str]:
+    """The latency phase's client-side paths (``--references``): ``two-step`` always, as every
+    front's overhead is taken against it; the others as asked, in their usual order."""
+    asked = {name.strip() for name in spec.split(",") if name.strip()}
+    unknown = sorted(asked - set(REFERENCES))
+    if unknown:
+        raise SystemExit(f"--references: unknown {', '.join(unknown)} "
+                         f"(expected some of {', '.join(REFERENCES)})")  # fmt: skip
+    return [name for name in REFERENCES if name in asked or name == "two-step"]
 
 
 def _goal(paired: dict[str, Any], p99: dict[str, Any]) -> dict[str, str]:
@@ -489,8 +504,16 @@ def main() -> None:
         metavar="KEY=VALUE",
         help="more pdx deploy settings for the pair (e.g. vllm.shm_recheck_ms=1)",
     )
+    ap.add_argument(
+        "--references",
+        default=",".join(REFERENCES),
+        help="the latency phase's paths without a front, comma-separated (direct, two-step, "
+        "two-step-doc); two-step, the anchor of every overhead, is always run. Fewer paths "
+        "and --max-tokens 2 make a round shorter, so more rounds fit the same time",
+    )
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
+    _references(args.references)  # a bad name stops here, before the pair starts
     phases = set(args.phases.split(","))
     if not _engine_available():
         return
