@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import statistics
 import subprocess
 from typing import Any
 
@@ -208,18 +209,37 @@ class Topology:
             out.setdefault(f"{d}_dropped_queue", int(drops))
         return out
 
-    async def tcp_between_sites(self) -> dict[str, Any]:
+    async def watch_tcp(self, run: asyncio.Future[Any]) -> list[list[dict[str, Any]]]:
+        """Readings of the prefill site's connections to the decode site (``ss -tin``), one
+        when called and one every ``MIN_RTT_WINDOW_S`` until ``run`` is done: each reading's
+        minimum RTT is TCP's over the window just gone (bounded by ``run``, which is)."""
+        readings = [await asyncio.to_thread(self._sent)]
+        while not run.done():
+            await asyncio.wait({run}, timeout=MIN_RTT_WINDOW_S)
+            readings.append(await asyncio.to_thread(self._sent))
+        return readings
+
+    async def tcp_between_sites(
+        self, readings: list[list[dict[str, Any]]] | None = None
+    ) -> dict[str, Any]:
         """TCP's own view of the connections between the sites (``ss -tin`` in each site):
         the busiest each way (NIXL/UCX's KV connection with vLLM, the KV client's with pdx),
         with the kernel's smoothed RTT (queueing at the router's rate included) and its
-        minimum over the last ``MIN_RTT_WINDOW_S``, and every connection's."""
-        return await asyncio.to_thread(self._tcp_between_sites)
+        minimum over the last ``MIN_RTT_WINDOW_S``, and every connection's. With the step's
+        ``readings`` (:meth:`watch_tcp`), the sender is the connection that moved the most
+        bytes during the step, and ``min_rtt_step_ms`` the median over the windows in which it
+        moved bytes of TCP's minimum RTT in each: one reading at the end can fall just after a
+        cut, when a connection's last few samples carry the cut's retransmissions."""
+        return await asyncio.to_thread(self._tcp_between_sites, readings or [])
 
-    def _tcp_between_sites(self) -> dict[str, Any]:
-        sent = tcp_connections(self.prefill_ns, f"src {self.prefill_addr}")
+    def _sent(self) -> list[dict[str, Any]]:
+        return tcp_connections(self.prefill_ns, f"src {self.prefill_addr}")
+
+    def _tcp_between_sites(self, readings: list[list[dict[str, Any]]]) -> dict[str, Any]:
+        sent = self._sent()
         received = tcp_connections(self.decode_ns, f"dst {self.prefill_addr}")
         return {
-            "kv_sender": max(sent, key=lambda c: c.get("bytes_acked", 0), default=None),
+            "kv_sender": busiest_during([*readings, sent]),
             "kv_receiver": max(received, key=lambda c: c.get("bytes_received", 0), default=None),
             "decode_side": received,
         }
@@ -238,6 +258,39 @@ def counters_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, i
     """What the router did during one step (both read after the step's condition was set;
     a counter that went backwards means the emulator restarted: its value after counts)."""
     return {k: v - before.get(k, 0) if v >= before.get(k, 0) else v for k, v in after.items()}
+
+
+def busiest_during(readings: list[list[dict[str, Any]]]) -> dict[str, Any] | None:
+    """The connection of the last reading that moved the most bytes since the first (acked
+    bytes; one first seen later counts from zero), with ``bytes_acked_step``, the minimum RTT of
+    every reading after which it had moved bytes (``min_rtt_windows_ms``) and their median
+    (``min_rtt_step_ms``, None when it never moved any)."""
+    if not readings or not readings[-1]:
+        return None
+    first = {(c["local"], c["peer"]): c.get("bytes_acked", 0) for c in readings[0]}
+
+    def moved(c: dict[str, Any]) -> int:
+        return int(c.get("bytes_acked", 0) - first.get((c["local"], c["peer"]), 0))
+
+    last = max(readings[-1], key=moved)
+    key, acked, windows = (
+        (last["local"], last["peer"]),
+        first.get((last["local"], last["peer"]), 0),
+        [],
+    )
+    for reading in readings[1:]:
+        now = next((c for c in reading if (c["local"], c["peer"]) == key), None)
+        if now is None:
+            continue
+        if now.get("bytes_acked", 0) > acked and now.get("min_rtt_ms") is not None:
+            windows.append(float(now["min_rtt_ms"]))
+        acked = now.get("bytes_acked", 0)
+    return {
+        **last,
+        "bytes_acked_step": moved(last),
+        "min_rtt_windows_ms": windows,
+        "min_rtt_step_ms": statistics.median(windows) if windows else None,
+    }
 
 
 _SS_NUMBERS = ("bytes_acked", "bytes_received", "bytes_sent", "retrans", "lost")

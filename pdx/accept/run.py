@@ -357,8 +357,14 @@ class AcceptRun:
                 args, step.duration_s, step_dir / "locust", self.pb.load.workers, drain_limit_s
             )
         )
+        tcp_watch = (
+            asyncio.create_task(self.topology.watch_tcp(run))
+            if self.topology is not None and kernel is not None
+            else None
+        )
         resources = await self._watch(step, run, t0)
         rc = await run
+        tcp_readings = await tcp_watch if tcp_watch is not None else None
         drain_s = max(0.0, time.time() - t0 - step.duration_s)
         wan_events = await wan if wan is not None else []
         if rc not in (0, 1):  # 1 = Locust saw failed requests; anything else: it did not run
@@ -372,7 +378,7 @@ class AcceptRun:
             from pdx.accept.netns_target import counters_delta as router_delta
 
             kernel["router_counters"] = router_delta(router_before, await self.topology.counters())
-            kernel["tcp"] = await self.topology.tcp_between_sites()  # RTT as TCP itself saw it
+            kernel["tcp"] = await self.topology.tcp_between_sites(tcp_readings)  # TCP's own RTT
         gate = await self._collect_gates(step, step_dir, t0)
         outcome = self._finish_step(
             step, step_dir, t0, rc, (before, after), (proxy_before, proxy_after), resources, gate

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdx.accept.criteria import CriterionResult
+from pdx.accept.netns_target import MIN_RTT_WINDOW_S
 from pdx.accept.report.schema import Report, StepReport
 
 
@@ -399,10 +400,12 @@ def _kernel_lines(s: StepReport) -> list[str]:
     seen = []
     if tcp:
         seen.append(
-            f"  - TCP's own view of the KV connection {tcp.get('local')} → {tcp.get('peer')} "
-            f"at the step's end: min RTT {_num(tcp.get('min_rtt_ms'), '.1f')} ms, smoothed "
-            f"{_num(tcp.get('rtt_ms'), '.1f')} ms, {tcp.get('retrans', 0)} segments "
-            "retransmitted"
+            f"  - TCP's own view of the KV connection {tcp.get('local')} → {tcp.get('peer')}: "
+            f"min RTT {_num(tcp.get('min_rtt_step_ms'), '.1f')} ms (median of the step's "
+            f"{len(tcp.get('min_rtt_windows_ms') or [])} windows of {MIN_RTT_WINDOW_S} s in "
+            f"which it moved bytes); at the step's end min {_num(tcp.get('min_rtt_ms'), '.1f')} "
+            f"ms, smoothed {_num(tcp.get('rtt_ms'), '.1f')} ms, {tcp.get('retrans', 0)} "
+            "segments retransmitted"
         )
     return [
         f"- **{s.id}** ({s.network}): router hop, {how}: {k.get('summary', '-')}; during the "

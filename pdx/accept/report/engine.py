@@ -41,9 +41,10 @@ def engine_row(s: StepReport) -> list[str] | None:
                   for r in ("prefill", "decode"))  # fmt: skip
     usage = _total(d, "vllm:kv_cache_usage_perc", "prefill")
     tcp = ((s.kernel or {}).get("tcp") or {}).get("kv_sender") or {}
+    low = tcp.get("min_rtt_step_ms", tcp.get("min_rtt_ms"))
     rtt = (
-        f"{tcp['min_rtt_ms']:.1f} ms min, {tcp['rtt_ms']:.1f} ms smoothed"
-        if tcp.get("min_rtt_ms") is not None and tcp.get("rtt_ms") is not None
+        f"{low:.1f} ms min, {tcp['rtt_ms']:.1f} ms smoothed"
+        if low is not None and tcp.get("rtt_ms") is not None
         else "–"
     )
     return [
@@ -69,8 +70,9 @@ def engine_section(report: Report) -> tuple[str, list[str], list[str], list[list
     if any(((s.kernel or {}).get("tcp") or {}).get("kv_sender") for s in report.steps):
         lines.append(
             "TCP RTT: the kernel's own figures (ss -tin) on the busiest connection from the "
-            "prefill site to the decode site (NIXL's UCX connection with vLLM), read when the "
-            "step ended: its minimum over the last seconds and its smoothed RTT, which adds "
-            "the queueing of each pull's burst at the router's rate."
+            "prefill site to the decode site during the step (NIXL's UCX connection with "
+            "vLLM): its minimum RTT, the median over the step's 2 s windows in which it moved "
+            "bytes, and its smoothed RTT when the step ended, which adds the queueing of each "
+            "pull's burst at the router's rate."
         )
     return ("What the engines reported", lines, ENGINE_HEADERS, rows)
