@@ -212,7 +212,8 @@ class Topology:
     async def watch_tcp(self, run: asyncio.Future[Any]) -> list[list[dict[str, Any]]]:
         """Readings of the prefill site's connections to the decode site (``ss -tin``), one
         when called and one every ``MIN_RTT_WINDOW_S`` until ``run`` is done: each reading's
-        minimum RTT is TCP's over the window just gone (bounded by ``run``, which is)."""
+        minimum RTT is TCP's over the window just gone. It ends with ``run`` (the step's
+        load, itself bounded in time)."""
         readings = [await asyncio.to_thread(self._sent)]
         while not run.done():
             await asyncio.wait({run}, timeout=MIN_RTT_WINDOW_S)
@@ -273,11 +274,8 @@ def busiest_during(readings: list[list[dict[str, Any]]]) -> dict[str, Any] | Non
         return int(c.get("bytes_acked", 0) - first.get((c["local"], c["peer"]), 0))
 
     last = max(readings[-1], key=moved)
-    key, acked, windows = (
-        (last["local"], last["peer"]),
-        first.get((last["local"], last["peer"]), 0),
-        [],
-    )
+    key = (last["local"], last["peer"])
+    acked, windows = first.get(key, 0), list[float]()
     for reading in readings[1:]:
         now = next((c for c in reading if (c["local"], c["peer"]) == key), None)
         if now is None:
