@@ -5,6 +5,7 @@ own view of the KV connection between the sites (``kernel.tcp``, target.netns ru
 from __future__ import annotations
 
 from pdx.accept.metrics import split_key
+from pdx.accept.netns_target import MIN_RTT_WINDOW_S
 from pdx.accept.report.schema import Report, StepReport
 
 ENGINE_HEADERS = ["step", "NIXL pulls", "NIXL bytes", "NIXL time / pull", "failed pulls",
@@ -71,8 +72,8 @@ def engine_section(report: Report) -> tuple[str, list[str], list[str], list[list
         lines.append(
             "TCP RTT: the kernel's own figures (ss -tin) on the busiest connection from the "
             "prefill site to the decode site during the step (NIXL's UCX connection with "
-            "vLLM): its minimum RTT, the median over the step's 2 s windows in which it moved "
-            "bytes, and its smoothed RTT when the step ended, which adds the queueing of each "
-            "pull's burst at the router's rate."
+            f"vLLM): its minimum RTT, the median over the step's {MIN_RTT_WINDOW_S} s windows "
+            "in which it moved bytes, and its smoothed RTT when the step ended, which adds the "
+            "queueing of each pull's burst at the router's rate."
         )
     return ("What the engines reported", lines, ENGINE_HEADERS, rows)
