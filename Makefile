@@ -1,23 +1,51 @@
 # The handful of commands a newcomer needs. Each target creates/reuses .venv and
-# installs everything pdx needs on a machine that only has Python 3.11.
+# installs everything pdx needs on a machine that only has Python 3.11: exactly the versions
+# locked in requirements/dev.txt (with hashes), by uv, which pip installs first from
+# requirements/bootstrap.txt. `make lock` refreshes the locks (see README "Development").
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.pdx-installed
-# torch first, pinned: the CPU build; an unpinned torch may pull a multi-GB CUDA build.
-TORCH  ?= torch==2.13.0
+LOCK   := requirements/dev.txt
+UV     := $(BIN)/uv
+# uv reads no pip configuration: where pip finds wheels (this machine keeps the CPU torch in a
+# find-links folder), uv is told too.
+UV_SYNC = $(UV) pip sync --quiet --require-hashes --python $(BIN)/python \
+	$(foreach d,$(shell PYTHON=$(PYTHON) scripts/pip-find-links),--find-links $(d))
 
-.PHONY: install demo test lint typecheck unit proto proto-check system-tools vllm vllm-if-possible \
-	bench clean image
+.PHONY: install sync lock lock-check lower-bounds demo test lint typecheck unit proto proto-check \
+	system-tools vllm vllm-if-possible bench clean image
 
-$(STAMP): pyproject.toml
+$(UV): requirements/bootstrap.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet "$(TORCH)"
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	$(BIN)/python -m pip install --quiet --disable-pip-version-check --require-hashes \
+	  -r requirements/bootstrap.txt
+	touch $(UV)
+
+$(STAMP): $(UV) $(LOCK) pyproject.toml
+	$(UV_SYNC) $(LOCK)
+	$(UV) pip install --quiet --no-deps --python $(BIN)/python -e .
 	touch $(STAMP)
 
 install: $(STAMP)
+
+# Put .venv back to exactly the lock (after a hand install, or to drop stray packages).
+sync: $(UV)
+	rm -f $(STAMP)
+	$(MAKE) --no-print-directory install
+
+# Refresh requirements/*.txt from pyproject.toml and requirements/*.in; UPGRADE=1 takes the
+# newest allowed versions (otherwise a pin that is still allowed stays).
+lock: $(UV)
+	UV=$(UV) UPGRADE=$(UPGRADE) PYTHON=$(PYTHON) scripts/lock.sh
+
+# pyproject.toml's lower bounds: the lowest allowed set installs, imports and runs `pdx --help`.
+lower-bounds: $(UV)
+	UV=$(UV) PYTHON=$(PYTHON) scripts/lower-bounds.sh
+
+# Fails when .venv differs from the lock, or the lock from pyproject.toml's ranges.
+lock-check: $(STAMP)
+	$(BIN)/python scripts/check_lock.py $(LOCK) --pyproject pyproject.toml --extra dev
 
 # The main job on the embedded default: the smoke acceptance playbook (deploy, load, a KV link
 # break, verdict); the report lands in reports/. NO-GO (exit 1) and INCONCLUSIVE (exit 3) are
@@ -58,7 +86,7 @@ vllm-if-possible:
 system-tools:
 	@scripts/ensure-system-tools.sh
 
-test: proto-check lint typecheck unit
+test: lock-check proto-check lint typecheck unit
 
 proto: $(STAMP)
 	$(BIN)/python scripts/gen_proto.py
@@ -77,7 +105,7 @@ bench: $(STAMP)
 # environment. See docs/deploy.md "Container image".
 IMAGE_TARGET ?= runtime
 image:
-	@TORCH="$(TORCH)" PYTHON="$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))" \
+	@PYTHON="$(if $(wildcard $(BIN)/python),$(BIN)/python,$(PYTHON))" \
 	  scripts/build-image.sh --target $(IMAGE_TARGET)
 
 clean:

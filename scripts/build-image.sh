@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # Build the pdx container image (Containerfile) without a registry and without network access
 # beyond this machine's own package sources:
-#   1. a wheelhouse in build/image/wheels: pdx and its dependencies and the Makefile's torch pin,
-#      from the pip sources configured here (`pip config list`); with --target vllm also
-#      build/image/wheels-vllm with scripts/vllm-env.sh's pins;
+#   1. a wheelhouse in build/image/wheels: exactly the locked runtime set
+#      (requirements/runtime.txt, hash-checked, the CPU torch included) and pdx's own wheel, from
+#      the pip sources configured here (`pip config list`); with --target vllm also
+#      build/image/wheels-vllm with the vLLM environment's locks (requirements/vllm.txt, nixl.txt);
 #   2. the base: a Debian bookworm root filesystem made with mmdebstrap from the configured
 #      Debian mirror and imported as localhost/pdx-base:bookworm (BASE_IMAGE=... uses an image
 #      you have instead, e.g. debian:bookworm-slim where a registry is reachable);
@@ -17,7 +18,7 @@
 #
 # Environment: IMAGE (default pdx:latest, pdx:vllm for --target vllm), BASE_IMAGE,
 # BUILDER (docker|podman|buildah: only that one), CONTAINER_RUNTIME (podman/buildah OCI
-# runtime, e.g. runc), TORCH (default: the Makefile's), PYTHON (the Python 3.11 that runs pip;
+# runtime, e.g. runc), PYTHON (the Python 3.11 that runs pip;
 # default .venv/bin/python, else python3), DEBIAN_SUITE (bookworm), DEBIAN_SOURCES (an apt
 # sources file or mirror URL; default the host's Debian sources), REBUILD_BASE=1 (remake the
 # base image even when it exists).
@@ -49,8 +50,6 @@ LOCAL_BASE=localhost/pdx-base:bookworm
 DEBIAN_SUITE=${DEBIAN_SUITE:-bookworm}
 BASE_PACKAGES="python3.11,python3-venv,iproute2,nftables,iperf3,iputils-ping,ca-certificates"
 if [ "$TARGET" = vllm ]; then IMAGE=${IMAGE:-pdx:vllm}; else IMAGE=${IMAGE:-pdx:latest}; fi
-# One definition of the torch pin: the Makefile's (make passes TORCH; read it when run alone).
-TORCH=${TORCH:-$(sed -n 's/^TORCH[[:space:]]*?=[[:space:]]*//p' Makefile)}
 if [ -z "${PYTHON:-}" ]; then
   if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
@@ -68,14 +67,6 @@ show() {  # a command as it could be typed again
 run() {  # show a command, and run it unless --dry-run
   show "$@"
   [ $DRY_RUN -eq 1 ] || "$@"
-}
-
-# The pins scripts/vllm-env.sh builds with (VAR=${VAR:-default}), so they live in one place.
-vllm_pin() {
-  local var=$1 value
-  value=$(sed -n "s/^$var=\${$var:-\([^}]*\)}.*/\1/p" scripts/vllm-env.sh | tr -d '"')
-  [ -n "$value" ] || die "no $var=\${$var:-...} line in scripts/vllm-env.sh"
-  echo "${!var:-$value}"
 }
 
 # --- 1. the builder ------------------------------------------------------------------------
@@ -115,32 +106,26 @@ wheelhouse() {
     || die "no $PYTHON to run pip (set PYTHON=)"
   # The image runs Debian bookworm's Python 3.11: the wheels must be cp311.
   [ "$pyver" = "3.11" ] || die "PYTHON=$PYTHON is Python $pyver; the wheelhouse needs 3.11"
-  say "wheelhouse $WHEELS: $TORCH + pdx and its dependencies (pip sources: $PYTHON -m pip config list)"
+  say "wheelhouse $WHEELS: requirements/runtime.txt + pdx (pip sources: $PYTHON -m pip config list)"
   src=$OUT/src  # pdx's wheel is built from a clean copy: no stale files from an old build/lib
-  run rm -rf "$src" "$WHEELS"/pdx-*.whl
+  run rm -rf "$src" "$WHEELS" "$WHEELS_VLLM"
   run mkdir -p "$src" "$WHEELS" "$WHEELS_VLLM"
   show tar -cf - --exclude=__pycache__ pyproject.toml README.md pdx '|' tar -xf - -C "$src"
   if [ $DRY_RUN -eq 0 ]; then
     tar -cf - --exclude=__pycache__ pyproject.toml README.md pdx | tar -xf - -C "$src"
   fi
+  # The locked files themselves (hash-checked), then the lock beside them for the image's pip.
+  run "$PYTHON" -m pip download --quiet --no-deps --require-hashes --dest "$WHEELS" \
+    -r requirements/runtime.txt
+  run cp requirements/runtime.txt "$WHEELS/requirements.txt"
   # A fixed SOURCE_DATE_EPOCH makes pdx's wheel the same bytes while its source is: the
   # builder's cache then keeps the install layer.
-  run env SOURCE_DATE_EPOCH=315532800 "$PYTHON" -m pip wheel --quiet --wheel-dir "$WHEELS" \
-    "$TORCH" "./$src"
+  run env SOURCE_DATE_EPOCH=315532800 "$PYTHON" -m pip wheel --quiet --no-deps \
+    --wheel-dir "$WHEELS" "./$src"
   if [ "$TARGET" = vllm ]; then
-    local torch_spec vllm_spec nixl_specs router_spec
-    torch_spec=$(vllm_pin TORCH_SPEC); vllm_spec=$(vllm_pin VLLM_SPEC)
-    nixl_specs=$(vllm_pin NIXL_SPECS); router_spec=$(vllm_pin ROUTER_SPEC)
-    say "wheelhouse $WHEELS_VLLM: scripts/vllm-env.sh's pins ($torch_spec $vllm_spec $nixl_specs $router_spec)"
-    run "$PYTHON" -m pip wheel --quiet --wheel-dir "$WHEELS_VLLM" pip "$torch_spec" "$vllm_spec"
-    # shellcheck disable=SC2086  # NIXL: two specs, installed --no-deps (see vllm-env.sh)
-    run "$PYTHON" -m pip download --quiet --no-deps --dest "$WHEELS_VLLM" $nixl_specs
-    show "$PYTHON" -m pip wheel --quiet --wheel-dir "$WHEELS_VLLM" "$router_spec"
-    if [ $DRY_RUN -eq 0 ] && ! "$PYTHON" -m pip wheel --quiet --wheel-dir "$WHEELS_VLLM" "$router_spec"; then
-      say "note: no wheel for $router_spec; the image leaves it out (vllm-env.sh does too)"
-    fi
-    BUILD_ARGS+=(--build-arg "TORCH_SPEC=$torch_spec" --build-arg "VLLM_SPEC=$vllm_spec"
-      --build-arg "NIXL_SPECS=$nixl_specs" --build-arg "ROUTER_SPEC=$router_spec")
+    say "wheelhouse $WHEELS_VLLM: requirements/vllm.txt + requirements/nixl.txt (scripts/vllm-env.sh's locks)"
+    run "$PYTHON" -m pip download --quiet --no-deps --require-hashes --dest "$WHEELS_VLLM" \
+      -r requirements/vllm.txt -r requirements/nixl.txt
   fi
 }
 
@@ -252,7 +237,7 @@ probe_flags() {
 # --- 5. the build --------------------------------------------------------------------------
 build() {
   local cmd isolation=(--network=none)
-  BUILD_ARGS+=(--build-arg "BASE_IMAGE=$BASE_IMAGE" --build-arg "TORCH=$TORCH")
+  BUILD_ARGS+=(--build-arg "BASE_IMAGE=$BASE_IMAGE")
   case "$BUILDER" in
     docker) cmd=(env DOCKER_BUILDKIT=1 docker build) ;;
     podman) cmd=(podman build) ;;

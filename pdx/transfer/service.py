@@ -82,6 +82,7 @@ class _Op:
     start_s: float = field(default_factory=time.perf_counter)
     extra: dict[str, Any] = field(default_factory=dict)
     outcome: str | None = None  # set when the call ended otherwise than its code says
+    recorded: int | None = None  # bytes in the record already written (a Get's, as it ends)
 
 
 class KVService:
@@ -120,17 +121,36 @@ class KVService:
             outcome = KVErrorCode.KV_INTERNAL.value
             raise
         finally:
-            ms = (time.perf_counter() - op.start_s) * 1000
-            self.audit.record(
-                op.event,
-                who=op.who,
-                peer=op.peer,
-                kv_id=op.kv_id or None,
-                bytes=op.bytes,
-                outcome=op.outcome or outcome,
-                ms=round(ms, 3),
-                **op.extra,
-            )
+            self._record(op, op.outcome or outcome)
+
+    def _record(self, op: _Op, outcome: str) -> None:
+        """Write ``op``'s audit record, once. A Get writes it just before its last chunk
+        leaves (:meth:`_sent`), so the log holds every byte a client can have read even if
+        the store dies a moment later; if that last send then fails, a second record of the
+        failure follows (bytes 0: the first one counted them)."""
+        nbytes, extra = op.bytes, op.extra
+        if op.recorded is not None:
+            if outcome == "ok":
+                return
+            nbytes, extra = 0, {**op.extra, "recorded_bytes": op.recorded}
+        ms = (time.perf_counter() - op.start_s) * 1000
+        self.audit.record(
+            op.event,
+            who=op.who,
+            peer=op.peer,
+            kv_id=op.kv_id or None,
+            bytes=nbytes,
+            outcome=outcome,
+            ms=round(ms, 3),
+            **extra,
+        )
+        op.recorded = op.bytes
+
+    def _sent(self, op: _Op, chunks: int, start: float) -> None:
+        """A Get's last message is about to leave: count its bytes and write its record now
+        (thread-safe: a data-plane connection thread calls it too)."""
+        self._count("get", op.bytes, chunks, start)
+        self._record(op, "ok")
 
     def _slot(self, context: grpc.aio.ServicerContext, op: _Op) -> Any:
         return self._slot_wait(self._time_left(context.time_remaining()), holder(op))
@@ -352,16 +372,20 @@ class KVService:
         obj.readers += 1
         start = time.perf_counter()
         try:
-            yield pb.GetResponse(info=self.store.info(obj)).SerializeToString()
+            info = pb.GetResponse(info=self.store.info(obj)).SerializeToString()
+            if end == request.from_chunk:  # nothing but the info to send
+                self._sent(op, 0, start)
+            yield info
             for i in range(request.from_chunk, end):
                 message = obj.chunk_message(i)
                 if message is None:  # complete objects have every chunk; never sent half-made
                     raise KVError(KVErrorCode.KV_INTERNAL, f"chunk {i} missing", kv_id=obj.kv_id)
-                yield message
                 op.bytes += obj.chunk_len(i)
+                if i == end - 1:
+                    self._sent(op, end - request.from_chunk, start)
+                yield message
         finally:
             obj.readers -= 1
-        self._count("get", op.bytes, end - request.from_chunk, start)
 
     async def _stream_writing(
         self, op: _Op, obj: StoredObject, request: pb.GetRequest
@@ -395,10 +419,11 @@ class KVService:
                 yield message
                 op.bytes += obj.chunk_len(i)
                 i += 1
-            yield pb.GetResponse(info=self.store.info(obj)).SerializeToString()
+            closed = pb.GetResponse(info=self.store.info(obj)).SerializeToString()
+            self._sent(op, i - request.from_chunk, start)
+            yield closed
         finally:
             obj.readers -= 1
-        self._count("get", op.bytes, i - request.from_chunk, start)
 
     async def open(
         self, request: pb.OpenRequest, context: grpc.aio.ServicerContext
@@ -466,14 +491,20 @@ class KVService:
                     raise KVError(KVErrorCode.KV_INTERNAL, "chunk missing", kv_id=obj.kv_id)
                 obj.readers += 1
                 start = time.perf_counter()
+
+                def last_leaves(nbytes: int, count: int) -> None:  # (thread) before the last frame
+                    op.bytes = nbytes
+                    self._sent(op, count, start)
+
                 try:
-                    sent: GetOutcome = await handoff.exchange((self.store.info(obj), chunks))
+                    sent: GetOutcome = await handoff.exchange(
+                        (self.store.info(obj), chunks, last_leaves)
+                    )
                 finally:
                     obj.readers -= 1
                 op.bytes = sent.nbytes
                 if sent.error is not None:
                     raise sent.error
-                self._count("get", sent.nbytes, sent.chunks, start)
 
     async def _until_closed(self, obj: StoredObject, left: float | None) -> None:
         try:

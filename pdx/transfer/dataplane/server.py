@@ -526,16 +526,22 @@ class DataServer:
         who = conn.who
         call = self._call(self.service.data_get(request, who, conn.peer, timeout_s, handoff))
         try:
-            info, chunks = handoff.wait(call, timeout_s or DEFAULT_REQUEST_TIMEOUT_S)
+            info, chunks, last_leaves = handoff.wait(call, timeout_s or DEFAULT_REQUEST_TIMEOUT_S)
         except BaseException as exc:
             handoff.abandon(_as_kv_error(exc))
             self._send_error(conn, _as_kv_error(exc))
             return False
         outcome = GetOutcome()
         try:
+            # The store records the Get just before its last frame leaves (the audit log then
+            # holds every byte the client can have read): last_leaves(bytes, chunks).
+            if not chunks:
+                last_leaves(0, 0)
             conn.send_frame(Kind.INFO, info.SerializeToString())
-            for index, digest, data in chunks:
+            for n, (index, digest, data) in enumerate(chunks, 1):
                 self._progress(conn)
+                if n == len(chunks):
+                    last_leaves(outcome.nbytes + len(data), n)
                 conn.send_chunk(index, digest, data)
                 outcome.nbytes += len(data)
                 outcome.chunks += 1
