@@ -61,6 +61,9 @@ def probe_args(pb: Playbook, target: str) -> list[str]:
         p.probe_chunk_sizes,
         "--chunk-seconds",
         f"{p.probe_chunk_seconds:g}",
+        # the client runs at decode's end: KV flows from the server's end (the store) to it
+        "--kv-direction",
+        "down",
     ]
 
 
@@ -83,6 +86,8 @@ def step_probe_args(pb: Playbook, target: str, streams: int) -> list[str]:
         str(streams),
         "--max-duration",
         f"{p.probe_step_duration_s + 0.5:g}",
+        "--kv-direction",
+        "down",
     ]
 
 
@@ -212,7 +217,13 @@ def judge_demand(
         "rps": rps,
         "rps_source": rps_source,
     }
-    report["verdict"] = asdict(judge(report, rules))
+    verdict = judge(report, rules)
+    report["verdict"] = asdict(verdict)
+    sizes = next((r.sizes for r in verdict.rules if r.name == "chunk_p99" and r.sizes), None)
+    if sizes is not None:  # the size to use at this run's budget (None: no size passes it)
+        report["chunk_recommended_bytes"] = next(
+            (s["chunk_bytes"] for s in sizes if s["recommended"]), None
+        )
     return probe
 
 

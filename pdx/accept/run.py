@@ -45,6 +45,8 @@ from pdx.errors import MeasurementError, PdxError
 
 ProgressFn = Callable[[int, Step, float], None]
 """Called about once a second: (step number, step, seconds into the step)."""
+StageFn = Callable[[str], None]
+"""Called as the run moves on (target up, pre-flight, each step's start and end): one line."""
 
 
 @dataclass
@@ -77,7 +79,12 @@ class AcceptRun:
     """One execution of a playbook. ``report`` / ``report_dir`` are set even when interrupted."""
 
     def __init__(
-        self, pb: Playbook, playbook_path: Path, out_root: Path, progress: ProgressFn | None = None
+        self,
+        pb: Playbook,
+        playbook_path: Path,
+        out_root: Path,
+        progress: ProgressFn | None = None,
+        stage: StageFn | None = None,
     ) -> None:
         self.pb = pb
         self.playbook_dir = playbook_path.resolve().parent
@@ -85,6 +92,7 @@ class AcceptRun:
         self.report_dir = report_dir_for(out_root, pb.name)
         self.raw_dir = self.report_dir / "raw"
         self.progress = progress
+        self.stage = stage or (lambda line: None)
         self.report: Report | None = None
         self.started_at = _now()
         self.outcomes: list[StepOutcome] = []
@@ -121,12 +129,16 @@ class AcceptRun:
         complete = False
         self._stop_on_sigterm()
         try:
+            self.stage(f"target: starting ({self._target_kind()})")
             await self._start_target()
+            self.stage(f"target: ready at {self.url}")
+            self.stage("pre-flight: measuring the KV and probing the link")
             await self._preflight()
             self.gates = self._gate_context()
             if self.pb.load.warmup_requests and self.steps:
                 from pdx.accept.warmup import warm_up
 
+                self.stage(f"warm-up: {self.pb.load.warmup_requests} requests")
                 self.target_info["warmup"] = await warm_up(
                     self.pb, self.url, self.steps[0], self.pb.load.warmup_requests
                 )
@@ -332,7 +344,25 @@ class AcceptRun:
 
     # --- one step ----------------------------------------------------------------------------
 
+    def _target_kind(self) -> str:
+        t = self.pb.target
+        if t.url is not None:
+            return f"the running target {t.url}"
+        return "a pair across network namespaces" if t.netns.enabled else "a pair on loopback"
+
     async def _run_step(self, step: Step, locustfile: Path) -> StepOutcome:
+        of = f"/{len(self.steps)}" if step.index < len(self.steps) else ""  # search probes: open
+        where = f"step {step.index + 1}{of} {step.id}"
+        self.stage(f"{where}: started ({step.duration_s:g} s of load planned)")
+        outcome = await self._load_and_judge(step, locustfile)
+        v = outcome.validity
+        self.stage(
+            f"{where}: done in {outcome.report.elapsed_s:.1f} s, {v.requests} requests, "
+            f"{'valid' if v.valid else 'NOT valid: ' + '; '.join(v.problems)}"
+        )
+        return outcome
+
+    async def _load_and_judge(self, step: Step, locustfile: Path) -> StepOutcome:
         step_dir = self.raw_dir / step.id
         step_dir.mkdir(parents=True, exist_ok=True)
         cond = self.pb.conditions[step.network]

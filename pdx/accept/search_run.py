@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from pdx.accept import criteria as judge
 from pdx.accept.playbook import Playbook, Step
-from pdx.accept.run import AcceptRun, StepOutcome, report_dir_for
+from pdx.accept.run import AcceptRun, StageFn, StepOutcome, report_dir_for
 from pdx.accept.search import (
     MAX_PROBES,
     Axis,
@@ -83,9 +83,10 @@ class SearchRun(AcceptRun):
         playbook_path: Path,
         out_root: Path,
         on_probe: ProbeFn | None = None,
+        stage: StageFn | None = None,
     ) -> None:
         pb = search_playbook(pb)
-        super().__init__(pb, playbook_path, out_root, None)
+        super().__init__(pb, playbook_path, out_root, None, stage)
         self.report_dir = report_dir_for(out_root, f"{pb.name}-search-{pb.search.param}")
         self.raw_dir = self.report_dir / "raw"
         self.axis = default_axis(pb)

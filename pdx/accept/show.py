@@ -10,6 +10,7 @@ from rich.table import Table
 
 from pdx.accept.report import Report
 from pdx.accept.report import content as c
+from pdx.accept.report.diff import difference
 
 
 def _mark(cell: str) -> str:
@@ -123,6 +124,15 @@ def _short_step(step_id: str) -> str:
     return f"{parts[0]} {parts[-1]}" if len(parts) == 5 else step_id
 
 
+def shown_change(a: float | None, b: float | None, change: float | None) -> float | None:
+    """The change between A and B as the table shows them (4 significant digits each): a
+    difference the shown figures do not carry (0.9990001 → 1, "change 0.0009999") is not
+    printed as if they did."""
+    if a is None or b is None or change is None:
+        return change
+    return difference(float(f"{a:.4g}"), float(f"{b:.4g}"))
+
+
 def render_diff(console: Console, data: dict[str, Any]) -> None:
     """One row per (criterion, step) with A, B, the change and pass/fail movement."""
     a, b = data["a"], data["b"]
@@ -137,7 +147,7 @@ def render_diff(console: Console, data: dict[str, Any]) -> None:
             _short_step(r["step"]),
             fmt(r["a_measured"]),
             fmt(r["b_measured"]),
-            fmt(r["change"]),
+            fmt(shown_change(r["a_measured"], r["b_measured"], r["change"])),
             f"{fmt(r['a_threshold'])}→{fmt(r['b_threshold'])}",
             f"{fmt(r.get('a_margin'))}→{fmt(r.get('b_margin'))}",
             r["status"],

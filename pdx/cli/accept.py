@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,15 +22,20 @@ def accept(
         help="override any playbook field by dotted path, e.g. criteria.ttft_p99_ms=500",
     ),
     as_json: bool = typer.Option(False, "--json", help="print report.json instead of a summary"),
-    no_progress: bool = typer.Option(False, "--no-progress", help="no progress bar on stderr"),
+    no_progress: bool = typer.Option(
+        False,
+        "--no-progress",
+        help="nothing on stderr while it runs: no bar, no progress lines (one per stage and "
+        "step, time-stamped, printed also when stderr is not a terminal)",
+    ),
     repeat: int = typer.Option(
         1, "--repeat", min=1, max=100, help="run the playbook N times; judge how the runs agree"
     ),
     search: str | None = typer.Option(
         None,
         "--search",
-        help="find the limit of rate, concurrency, rtt_ms, loss or bandwidth_mbps (the bracket "
-        "[last GO, first NO-GO]); sets search.param",
+        help="find the limit of rate, concurrency, rtt_ms, loss or bandwidth_mbps: the bracket "
+        "from the last GO to the first NO-GO; sets search.param",
     ),
     search_range: str | None = typer.Option(
         None, "--search-range", metavar="LO:HI", help="the range searched (search.range)"
@@ -66,6 +73,7 @@ def accept(
         _repeat(pb, playbook, out, repeat, as_json=as_json, no_progress=no_progress)
     run = _run_once(pb, playbook, out, no_progress)
     assert run.report is not None
+    _verdict_line(run.report, run.report_dir, as_json=as_json, no_progress=no_progress)
     emit(run.report, as_json=as_json, render=lambda c, r: _render_summary(c, r, run.report_dir))
     raise typer.Exit(run.report.exit_code)
 
@@ -98,7 +106,7 @@ def _search(pb: Any, playbook: Path, out: Path, *, as_json: bool, no_progress: b
     from pdx.accept.search_run import SearchRun
 
     def on_probe(p: Any, ctx: dict[str, Any]) -> None:
-        if no_progress or as_json:
+        if no_progress:
             return
         ratio = f", {p.binding} at {p.worst_ratio:.2f}× its threshold" if p.binding else ""
         why = f" ({', '.join(p.failed or p.undecided)})" if p.verdict != "GO" else ""
@@ -111,7 +119,7 @@ def _search(pb: Any, playbook: Path, out: Path, *, as_json: bool, no_progress: b
             highlight=False,
         )
 
-    run = SearchRun(pb, playbook, out, on_probe)
+    run = SearchRun(pb, playbook, out, on_probe, None if no_progress else stage_line)
     try:
         asyncio.run(run.execute())
     except (KeyboardInterrupt, asyncio.CancelledError):
@@ -120,6 +128,7 @@ def _search(pb: Any, playbook: Path, out: Path, *, as_json: bool, no_progress: b
         raise typer.Exit(143 if run.interrupted_by == "SIGTERM" else 130) from None
     report = run.report
     assert report is not None
+    _verdict_line(report, run.report_dir, as_json=as_json, no_progress=no_progress)
 
     def render(console: Any, r: Any) -> None:
         for s in r.search or []:
@@ -136,8 +145,15 @@ def _run_once(pb: Any, playbook: Path, out: Path, no_progress: bool) -> Any:
 
     from pdx.accept.run import AcceptRun
 
-    progress = None if no_progress else _Progress()
-    run = AcceptRun(pb, playbook, out, progress.update if progress else None)
+    # the bar on a terminal only: elsewhere the stage lines say what it would
+    progress = _Progress() if not no_progress and err_console().is_terminal else None
+    run = AcceptRun(
+        pb,
+        playbook,
+        out,
+        progress.update if progress else None,
+        None if no_progress else stage_line,
+    )
     try:
         if progress:
             progress.start(run)
@@ -179,6 +195,21 @@ def _repeat(
 
     emit(summary, as_json=as_json, render=render)
     raise typer.Exit(summary.exit_code)
+
+
+def stage_line(line: str) -> None:
+    """One progress line on stderr (time-stamped; above the bar on a terminal), so scripts
+    and CI logs see a run move: target, pre-flight, each step's start and end."""
+    err_console().print(
+        f"{time.strftime('%H:%M:%S')} {line}", markup=False, highlight=False, soft_wrap=True
+    )
+
+
+def _verdict_line(report: Any, directory: Path, *, as_json: bool, no_progress: bool) -> None:
+    """The verdict on stderr where stdout will not show it (``--json``, or not a terminal)."""
+    if no_progress or not (as_json or not sys.stderr.isatty()):
+        return
+    stage_line(f"verdict: {report.verdict} (exit {report.exit_code}); report: {directory}")
 
 
 class _Progress:

@@ -10,6 +10,8 @@ import typer
 from pdx.cli.output import emit, err_console, to_jsonable
 from pdx.errors import InputError
 
+GATEWAY_PATHS = "(OpenAI API: /v1/completions, /v1/chat/completions, /v1/models; /metrics, /readyz)"
+
 
 def deploy(
     config: Path | None = typer.Option(
@@ -99,7 +101,7 @@ def _render_endpoints(con: Any, ep: dict[str, Any]) -> None:
         return
     label = " (synthetic)" if model.get("synthetic") else ""
     if ep["gateway"]:
-        con.print(f"gateway  {ep['gateway']}  (OpenAI API: /v1/completions, /metrics, /readyz)")
+        con.print(f"gateway  {ep['gateway']}  {GATEWAY_PATHS}")
     con.print(f"model    {model.get('model')}{label}  version {model.get('model_version')}")
     table = Table("process", "pid", "grpc port", "kv store", box=None)
 
@@ -125,7 +127,7 @@ def _render_engines(con: Any, ep: dict[str, Any]) -> None:
     from rich.table import Table
 
     model, env = ep["model"], ep["model"].get("environment") or {}
-    con.print(f"gateway  {ep['gateway']}  (OpenAI API: /v1/completions, /metrics, /readyz)")
+    con.print(f"gateway  {ep['gateway']}  {GATEWAY_PATHS}")
     blocks = f"KV {model.get('kv_dtype')}, blocks of {model.get('block_size')} tokens"
     con.print(f"model    {model.get('model')}  {model.get('model_path')}  ({blocks})")
     if env:

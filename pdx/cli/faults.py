@@ -280,8 +280,15 @@ def timeline_cmd(
     emit({"events": records}, as_json=as_json, render=_render_records)
 
 
+def _plan_size(declared: int, changes: int) -> str:
+    """``3 events (4 changes: ...)``: a timed cut adds its own restore to what runs."""
+    extra = f" ({changes} changes: each timed cut ends with its own restore)"
+    return f"{declared} events" + (extra if changes != declared else "")
+
+
 def _render_plan(console: Any, data: dict[str, Any]) -> None:
-    console.print(f"timeline valid: {len(data['events'])} events over {data['duration_s']:g} s")
+    size = _plan_size(data.get("declared_events", len(data["events"])), len(data["events"]))
+    console.print(f"timeline valid: {size} over {data['duration_s']:g} s", markup=False)
     for row in data["events"]:
         console.print(f"  at {row['at_s']:>8g} s  {row['what']}")
 
@@ -381,11 +388,16 @@ def netns_timeline(
     plan = load_wan_timeline(path)
     if check:
         rows = [{"at_s": at, "what": e.describe()} for at, e in plan.plan()]
-        data: dict[str, Any] = {"valid": True, "duration_s": plan.duration_s, "events": rows}
+        data: dict[str, Any] = {
+            "valid": True,
+            "duration_s": plan.duration_s,
+            "events": rows,
+            "declared_events": len(plan.events),
+        }
         emit(data, as_json=as_json, render=_render_plan)
         return
     start = netns.current(prefix).wan
-    err_console().print(f"running {len(plan.events)} events over {plan.duration_s:g} s")
+    err_console().print(f"running {_plan_size(len(plan.events), len(plan.plan()))}", markup=False)
     records = run_wan_timeline(plan, start, lambda wan: netns.set_conditions(prefix, wan))
     emit({"events": records}, as_json=as_json, render=_render_records)
 

@@ -65,20 +65,29 @@ def measure_kv_command(
     device: str = typer.Option(
         "gpu", "--device", help="vLLM device for the default block size: gpu (16) or cpu (128)."
     ),
+    sets: list[str] | None = typer.Option(
+        None,
+        "--set",
+        metavar="FIELD=VALUE",
+        help="Set a config field the file lacks or gets wrong (repeatable; VALUE is JSON, "
+        "e.g. --set num_hidden_layers=80 --set sliding_window=null).",
+    ),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON document."),
 ) -> None:
     """Exact KV bytes per token and per request, compression and its accuracy cost, link budget."""
-    from pdx.errors import MeasurementError
+    from pdx.errors import InputError, MeasurementError
     from pdx.kv.budget import LinkParams
     from pdx.kv.render import render_presets, render_report
     from pdx.kv.report import MeasureOptions, check_codecs, measure_kv
-    from pdx.kv.source import preset_names, resolve_source
+    from pdx.kv.source import apply_overrides, parse_overrides, preset_names, resolve_source
     from pdx.kv.spec import billions, check_positive, parse_codec_list, parse_seq_list
 
     if list_presets:
         emit({"presets": preset_names()}, as_json=as_json, render=render_presets)
         return
+    overrides = parse_overrides(sets or [])
     source = resolve_source(config=config, model_path=model_path, preset=preset)
+    source = apply_overrides(source, overrides)
     opts = MeasureOptions(
         dtype=dtype,
         state_dtype=state_dtype,
@@ -94,7 +103,10 @@ def measure_kv_command(
         block_size=block_size,
         device=device,
     )
-    check_codecs(opts.codecs)
+    try:
+        check_codecs(opts.codecs)
+    except InputError as exc:  # the registry names its own field; the user typed --codecs
+        raise InputError("--codecs", exc.value, exc.expected) from None
     if opts.codecs or opts.empirical:
         err_console().print("running the model code (torch) for the measured parts ...")
     report = measure_kv(source, opts)

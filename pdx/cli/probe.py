@@ -160,11 +160,20 @@ def probe_link(
     kv_report: Path | None = typer.Option(
         None, "--kv-report", help="A `pdx measure-kv --json` output (with --qps)."
     ),
-    qps: float | None = typer.Option(None, "--qps", help="Requests/s for --kv-report."),
+    qps: float | None = typer.Option(
+        None, "--qps", help="Requests/s that turn --kv-report's kv_bytes into a demand."
+    ),
     seq: int | None = typer.Option(
         None, "--seq", help="Row of --kv-report by sequence length (default: largest kv_bytes)."
     ),
-    kv_direction: str = typer.Option("up", "--kv-direction", help="up, down or both."),
+    kv_direction: str = typer.Option(
+        "up",
+        "--kv-direction",
+        help="Which way the KV crosses: up (this host sends it to the probe server's host), "
+        "down (the server's host sends it here) or both. Sets the goodput the kv_bandwidth rule "
+        "uses (both: the smaller) and the direction whose 1- vs N-stream goodput sets kv.streams "
+        "(both: the larger count). probe-link on the decode host, server at prefill: down.",
+    ),
     ttft_budget_ms: float | None = typer.Option(None, "--ttft-budget-ms", help="TTFT budget."),
     bandwidth_share: float = typer.Option(0.70, "--bandwidth-share", help="Max KV/bandwidth."),
     rtt_share: float = typer.Option(0.20, "--rtt-share", help="Max RTT p99/TTFT budget."),
@@ -179,7 +188,7 @@ def probe_link(
     """
     from pdx.link.probe import ALL_PHASES, ProbeOptions
     from pdx.link.probe import probe_link as run_probe
-    from pdx.link.verdict import VerdictRules, kv_demand_from_report
+    from pdx.link.verdict import VerdictRules
 
     _check_range("--duration", duration, 0.1, 3600)
     _check_range("--interval-ms", interval_ms, 0.1, 10_000)
@@ -202,16 +211,7 @@ def probe_link(
     wanted = [p.strip() for p in phases.split(",") if p.strip()]
     if not wanted or any(p not in ALL_PHASES for p in wanted):
         raise InputError("--phases", phases, f"a comma list from {','.join(ALL_PHASES)}")
-    kv_source = None
-    if kv_report is not None:
-        if kv_gbps is not None:
-            raise InputError("--kv-report", str(kv_report), "either --kv-gbps or --kv-report")
-        if qps is None:
-            raise InputError("--qps", None, "a request rate to go with --kv-report")
-        kv_gbps, kv_source = kv_demand_from_report(kv_report, qps, seq)
-    elif kv_gbps is not None:
-        _check_range("--kv-gbps", kv_gbps, 0, 1e6)
-        kv_source = "--kv-gbps"
+    kv_gbps, kv_source = _kv_demand(kv_gbps, kv_report, qps, seq)
     opts = ProbeOptions(
         target=target,
         duration_s=duration,
@@ -252,6 +252,33 @@ def probe_link(
 
 
 VERDICT_EXIT_CODES = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
+
+_NEEDS_KV_REPORT = {
+    "--qps": "--kv-report with it: --qps turns a measure-kv report's kv_bytes per request into "
+    "a demand (without a report, give the demand as --kv-gbps)",
+    "--seq": "--kv-report with it: --seq picks a row of a measure-kv report",
+}
+
+
+def _kv_demand(
+    kv_gbps: float | None, kv_report: Path | None, qps: float | None, seq: int | None
+) -> tuple[float | None, str | None]:
+    """The KV demand in Gbit/s and where it came from, from --kv-gbps or --kv-report + --qps."""
+    from pdx.link.verdict import kv_demand_from_report
+
+    if kv_report is None:
+        for name, given in (("--qps", qps), ("--seq", seq)):
+            if given is not None:  # never silently ignored: the demand would not be what was meant
+                raise InputError(name, given, _NEEDS_KV_REPORT[name])
+        if kv_gbps is None:
+            return None, None
+        _check_range("--kv-gbps", kv_gbps, 0, 1e6)
+        return kv_gbps, "--kv-gbps"
+    if kv_gbps is not None:
+        raise InputError("--kv-report", str(kv_report), "either --kv-gbps or --kv-report")
+    if qps is None:
+        raise InputError("--qps", None, "a request rate to go with --kv-report")
+    return kv_demand_from_report(kv_report, qps, seq)
 
 
 def _kv_sweep(
@@ -316,7 +343,14 @@ def render_report(console: Console, report: dict[str, Any]) -> None:
     rec = report.get("recommendations")
     if rec:
         sets = " ".join(f"--set {k}={v}" for k, v in rec["set"].items())
-        console.print(f"recommended for pdx deploy ({rec['why']}): {sets}", soft_wrap=True)
+        console.print(f"recommended for pdx deploy: {sets}", soft_wrap=True)
+        why = [
+            ("kv.streams", rec.get("why")),
+            ("kv.chunk_size_kb", (rec.get("chunk") or {}).get("why")),
+        ]
+        for key, text in why:
+            if text:
+                console.print(f"  - {key} {text}", soft_wrap=True, markup=False, highlight=False)
         if rec.get("vllm"):
             from pdx.link.vllm_advice import vllm_block
 
@@ -372,19 +406,31 @@ def _join(data: dict[str, Any], *keys: str) -> str:
 
 def _chunk_table(report: dict[str, Any]) -> Table:
     table = Table(title=f"KV chunks over {_transport_title(report)}")
-    for name in ("chunk", "Gbps", "p50 ms", "p99 ms", "chunks"):
+    rule = _chunk_rule(report)
+    judged = {s["chunk_bytes"]: s["status"].upper() for s in (rule or {}).get("sizes") or []}
+    names = ["chunk", "Gbps", "p50 ms", "p99 ms", "chunks"] + (["chunk_p99"] if judged else [])
+    for name in names:
         table.add_column(name, justify="right")
     for c in report["chunks"]:
         mark = " *" if c["chunk_bytes"] == report["chunk_recommended_bytes"] else ""
-        table.add_row(
-            human_bytes(c["chunk_bytes"]) + mark,
-            _fmt(c["gbps"]),
-            _fmt(c["p50_ms"], 2),
-            _fmt(c["p99_ms"], 2),
-            str(c["count"]),
-        )
-    table.caption = "* recommended: smallest size within 90 % of the best goodput"
+        row = [human_bytes(c["chunk_bytes"]) + mark, _fmt(c["gbps"]), _fmt(c["p50_ms"], 2),
+               _fmt(c["p99_ms"], 2), str(c["count"])]  # fmt: skip
+        table.add_row(*row, *([judged.get(c["chunk_bytes"], "-")] if judged else []))
+    caption = "* recommended: smallest size within 90 % of the best goodput"
+    if rule is not None and judged:
+        caption += f" among those whose p99 passes chunk_p99 (≤ {rule['threshold']:g} ms)"
+        if report["chunk_recommended_bytes"] is None:
+            caption = (
+                f"no size's p99 passes chunk_p99 (≤ {rule['threshold']:g} ms): none recommended"
+            )
+    table.caption = caption
     return table
+
+
+def _chunk_rule(report: dict[str, Any]) -> dict[str, Any] | None:
+    """The verdict's chunk_p99 rule when it was judged (None when skipped)."""
+    rules = (report.get("verdict") or {}).get("rules") or []
+    return next((r for r in rules if r["name"] == "chunk_p99" and r["status"] != "skip"), None)
 
 
 def _transport_title(report: dict[str, Any]) -> str:

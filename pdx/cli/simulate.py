@@ -217,7 +217,11 @@ def simulate_cmd(
     link_jitter_s: float | None = typer.Option(
         None, help="Mean extra (exponential) transfer delay."
     ),
-    link_sharing: str | None = typer.Option(None, help="fifo (transfers queue) or none."),
+    link_sharing: str | None = typer.Option(
+        None,
+        help="fifo (transfers queue on one link), fair (transfers in flight share its rate "
+        "equally, as concurrent TCP flows do) or none (each gets the whole bandwidth).",
+    ),
     codec_ratio: float | None = typer.Option(None, help="Compressed / raw KV bytes."),
     prefill_instances: int | None = typer.Option(None, help="Prefill pool size."),
     decode_instances: int | None = typer.Option(None, help="Decode pool size."),
@@ -287,6 +291,8 @@ def simulate_cmd(
 
         res = find_min(cfg, find_min_param, parse_slo(slo), _parse_range(value_range))
         emit(res, as_json=as_json, render=_render_find_min)
+        if res.answer is None:  # searched, and nothing in the range meets the SLO
+            raise typer.Exit(1)
     else:
         from dataclasses import asdict
 

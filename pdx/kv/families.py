@@ -1,30 +1,32 @@
 """Classify every decoder layer of a config and size what its cache holds, by layer kind.
 
-The config arrives as transformers' configuration class filled it in (:mod:`pdx.kv.hfconfig`:
-class defaults, derived ``layer_types``, nested text configs); model types transformers does
-not know arrive as their raw dict, whose layer pattern is derived from its own pattern fields
-as the hybrids' configuration classes derive it. Each layer type is sized by one rule, whatever
-the model's name: attention (full, sliding, chunked), MLA (any config with ``kv_lora_rank``),
-MLA with a sparse-attention indexer, attention + SSM in one layer, and the fixed-state mixers
-below (short convolution, Mamba-1, Mamba-2, Gated DeltaNet, Kimi Delta Attention, lightning
-attention), each read from its own config fields. ``tests/kv/test_kv_families.py`` checks the
-rules against real forward passes, tensor by tensor.
+The config arrives as transformers' configuration class read it (:mod:`pdx.kv.hfconfig`:
+derived ``layer_types``, nested text configs, aliases) beside the file itself; model types
+transformers does not know arrive as their raw dict, whose layer pattern is derived from its
+own pattern fields as the hybrids' configuration classes derive it. Every value a rule uses
+comes from the file (or ``--set``) or from a documented derivation (:class:`Fields`); a field
+missing from the file is named, never filled with a class default. Each layer type is sized
+by one rule, whatever the model's name: attention (full, sliding, chunked), MLA (any config
+with ``kv_lora_rank``), MLA with a sparse-attention indexer, attention + SSM in one layer,
+and the fixed-state mixers below (short convolution, Mamba-1, Mamba-2, Gated DeltaNet, Kimi
+Delta Attention, lightning attention), each read from its own config fields.
+``tests/kv/test_kv_families.py`` checks the rules against real forward passes, tensor by
+tensor.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from pdx.errors import UnsupportedModelError
-from pdx.kv.hfconfig import ResolvedConfig, raw_text_config
+from pdx.kv.fields import Fields, is_positive_int
+from pdx.kv.hfconfig import ResolvedConfig, one_line, raw_text_config
 from pdx.kv.layers import LayerKind, LayerSpec, StateTensor, TokenTensor
 
 Engine = Literal["transformers", "vllm"]
 ENGINES: tuple[str, ...] = ("transformers", "vllm")
 
-_MISSING = object()
 _NO_CACHE = ("moe", "mlp", "dummy")
 _ATTENTION = ("full_attention", "attention")
 _SLIDING = ("sliding_attention", "chunked_attention")
@@ -56,84 +58,8 @@ class Dtypes:
             return self.model if mixer in _RECURRENT_IN_MODEL_DTYPE else "fp32"
         if mixer == "kda":
             return "fp32"  # vLLM keeps the KDA recurrent state in float32 whatever the setting
-        declared = cfg.optional("mamba_ssm_cache_dtype")
+        declared = cfg.marker("mamba_ssm_cache_dtype")  # vLLM reads the class's value
         return _HF_DTYPES.get(str(declared), self.model) if declared else self.model
-
-
-@dataclass
-class Fields:
-    """Reads config fields for the rules; collects every missing or bad field to name at once."""
-
-    cfg: dict[str, Any]
-    model_type: str
-    resolved: ResolvedConfig | None = None
-    problems: list[str] = field(default_factory=list)
-    read: set[str] = field(default_factory=set)
-
-    def optional(self, *keys: str) -> Any:
-        """The first of ``keys`` set (not null), else None."""
-        for key in keys:
-            self.read.add(key)
-            if self.cfg.get(key) is not None:
-                return self.cfg[key]
-        return None
-
-    def get(self, *keys: str, default: Any = _MISSING) -> Any:
-        """A field the sizing needs (aliases in order); a missing one is recorded."""
-        value = self.optional(*keys)
-        if value is not None:
-            return value
-        if default is not _MISSING:
-            return default
-        name = " / ".join(repr(k) for k in keys)
-        problem = f"missing {name}"
-        if problem not in self.problems:
-            self.problems.append(problem)
-        return None
-
-    def int(self, *keys: str, default: Any = _MISSING) -> int:
-        """A positive integer field (see :meth:`get`); placeholder 1 while problems collect."""
-        value = self.get(*keys, default=default)
-        if value is None:
-            return 1
-        if isinstance(value, float) and value.is_integer():
-            value = int(value)
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            self.problems.append(f"field {keys[0]!r} is {value!r}, expected a positive integer")
-            return 1
-        return value
-
-    def check(self) -> None:
-        """Raise one error naming every problem found (and needed fields transformers dropped)."""
-        dropped = self.resolved.dropped if self.resolved else {}
-        for key in sorted(self.read & set(dropped)):
-            self.problems.append(f"field {key!r} was rejected by transformers: {dropped[key]}")
-        if self.problems:
-            raise UnsupportedModelError(
-                f"model_type {self.model_type!r}: cannot size its KV cache: "
-                + "; ".join(self.problems)
-            )
-
-
-def need(cfg: dict[str, Any], model_type: str, key: str, default: Any = _MISSING) -> Any:
-    """A config field the sizing depends on; a missing one names model_type and field."""
-    value = cfg.get(key, default)
-    if value is _MISSING or value is None:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r}: config is missing {key!r}, needed to size its KV cache"
-        )
-    return value
-
-
-def need_int(cfg: dict[str, Any], model_type: str, key: str, default: Any = _MISSING) -> int:
-    """A positive integer config field (see :func:`need`)."""
-    value = need(cfg, model_type, key, default)
-    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise UnsupportedModelError(
-            f"model_type {model_type!r}: config field {key!r} is {value!r}, "
-            "expected a positive integer"
-        )
-    return value
 
 
 def text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -153,33 +79,37 @@ def layer_types(cfg: dict[str, Any], model_type: str) -> list[str]:
 
 
 def _layer_types(f: Fields) -> list[str]:
-    key = "layer_types" if f.optional("layer_types") is not None else "layers_block_type"
-    explicit = f.optional(key)  # Zamba, Zamba2 and Nemotron-H name their list layers_block_type
-    n = _layer_count(f, explicit)
+    # Zamba, Zamba2 and Nemotron-H name their list layers_block_type (their classes alias it)
+    own = f.in_file("layers_block_type") and not f.in_file("layer_types")
+    key = "layers_block_type" if own else "layer_types"
+    explicit = f.optional(key)
+    n = _layer_count(f)
     types = _checked_types(f, key, explicit, n) if explicit is not None else _inferred_types(f, n)
     return _apply_kv_sharing(f, types)
 
 
-def _layer_count(f: Fields, explicit: Any) -> int:
-    """``num_hidden_layers``; without it, the length of the config's own layer list or pattern."""
-    listed = explicit if explicit is not None else f.optional("hybrid_override_pattern")
-    if f.optional("num_hidden_layers") is None and isinstance(listed, list | str) and listed:
-        return len(listed)
+def _layer_count(f: Fields) -> int:
+    """``num_hidden_layers``; without it, the length of the layer list or pattern the file gives
+    (Nemotron-H's configuration class does the same)."""
+    if not f.in_file("num_hidden_layers"):
+        for key in ("layer_types", "layers_block_type", "hybrid_override_pattern"):
+            listed = f.file_value(key) if f.in_file(key) else None
+            if isinstance(listed, list | str) and listed:
+                return int(f.derive("num_hidden_layers", len(listed), f"the length of {key}"))
     return f.int("num_hidden_layers")
 
 
 def _checked_types(f: Fields, key: str, explicit: Any, n: int) -> list[str]:
     if not isinstance(explicit, list) or len(explicit) != n:
-        f.problems.append(
-            f"{key!r} must list {n} entries (num_hidden_layers), got {explicit!r:.80}"
-        )
+        got = f"{len(explicit)} entries" if isinstance(explicit, list) else f"{explicit!r:.80}"
+        f.problem(key, f"got {got}, expected a list of {n} layer types (num_hidden_layers)")
         return ["full_attention"] * n
     unknown = sorted({str(t) for t in explicit} - set(KNOWN_LAYER_TYPES))
     if unknown:
-        f.problems.append(
-            f"layer type(s) {', '.join(map(repr, unknown))} have no sizing rule "
-            f"(known: {', '.join(KNOWN_LAYER_TYPES)})"
-        )
+        f.problem(
+            key, f"got {', '.join(map(repr, unknown))}, expected layer types with a sizing rule "
+            f"({', '.join(KNOWN_LAYER_TYPES)})",
+        )  # fmt: skip
         return ["full_attention"] * n
     return [str(t) for t in explicit]
 
@@ -191,10 +121,10 @@ def _inferred_types(f: Fields, n: int) -> list[str]:
     if hybrid is not None:
         return hybrid
     if any(applies(f, "") for _, applies, _ in _MIXERS):
-        f.problems.append(
-            "the config has state-mixer fields but no layer pattern (one of 'layer_types', "
-            f"'layers_block_type', {', '.join(map(repr, _PATTERN_FIELDS))})"
-        )
+        f.problem(
+            "layer_types", "got no layer pattern for a config with state-mixer fields, expected "
+            f"one of 'layer_types', 'layers_block_type', {', '.join(map(repr, _PATTERN_FIELDS))}",
+        )  # fmt: skip
     if f.optional("use_sliding_window") is False:
         return ["full_attention"] * n
     if f.optional("sliding_window") is not None:
@@ -263,13 +193,28 @@ def _apply_kv_sharing(f: Fields, types: list[str]) -> list[str]:
 # --- sizing rules, one per layer kind --------------------------------------------------------
 
 
-def classify_layers(resolved: ResolvedConfig, dtypes: Dtypes) -> tuple[list[LayerSpec], list[str]]:
-    """Every layer's kind and exact tensors at the given dtypes, plus notes for the user."""
-    f = Fields(resolved.text, resolved.model_type, resolved)
+@dataclass(frozen=True)
+class Classified:
+    """Every layer sized, the notes for the user, and each value derived rather than read."""
+
+    layers: list[LayerSpec]
+    notes: list[str]
+    derived: dict[str, str]
+
+
+def classify_layers(
+    resolved: ResolvedConfig, dtypes: Dtypes, invalid: dict[str, str] | None = None
+) -> Classified:
+    """Every layer's kind and exact tensors at the given dtypes, plus notes for the user.
+
+    ``invalid`` holds the problems :func:`screen_values` found in the file; they are named
+    with every other problem and missing field, in one error.
+    """
+    f = Fields(resolved.text, resolved.model_type, resolved, problems=dict(invalid or {}))
     types = _layer_types(f)
     layers = [_size_layer(f, i, name, dtypes) for i, name in enumerate(types)]
     f.check()
-    return layers, _notes(f, layers, types, dtypes)
+    return Classified(layers, _notes(f, layers, types, dtypes), dict(f.derived))
 
 
 def _size_layer(f: Fields, index: int, name: str, dt: Dtypes) -> LayerSpec:
@@ -292,22 +237,48 @@ def _size_layer(f: Fields, index: int, name: str, dt: Dtypes) -> LayerSpec:
 
 
 def attention_head_dim(f: Fields) -> int:
-    """``head_dim`` when set, else ``attention_head_dim``, else hidden / heads."""
-    explicit = f.optional("head_dim", "attention_head_dim")
-    if explicit is not None:
+    """``head_dim`` when the file sets it (or ``attention_head_dim``), else hidden / heads where
+    the configuration class derives it so (not where a class default such as Gemma 3's 256
+    would stand in)."""
+    if f.in_file("head_dim") or f.in_file("attention_head_dim"):
         return f.int("head_dim", "attention_head_dim")
-    return f.int("hidden_size") // f.int("num_attention_heads")
+    f.read.update(("head_dim", "attention_head_dim"))
+    hidden, heads = f.int("hidden_size"), f.int("num_attention_heads")
+    theirs = f.marker("head_dim", "attention_head_dim")
+    if {"hidden_size", "num_attention_heads"} & {*f.problems, *f.missing}:
+        # name head_dim now too when the class's value is no quotient of its own sizes
+        size, count = f.cfg.get("hidden_size"), f.cfg.get("num_attention_heads")
+        quotient = size // count if is_positive_int(size) and is_positive_int(count) else None
+        if None not in (theirs, quotient) and theirs != quotient:
+            f.need("head_dim")
+        return 1
+    dim, rest = divmod(hidden, heads)
+    if rest or (f.resolved is not None and theirs is not None and theirs != dim):
+        f.need("head_dim")
+        return 1
+    return int(f.derive("head_dim", dim, "hidden_size / num_attention_heads"))
+
+
+def kv_head_count(f: Fields) -> int:
+    """``num_key_value_heads`` from the file; equal to ``num_attention_heads`` only for a
+    configuration class that has no such field (multi-head attention by construction). The
+    head count is read too: without it the pair cannot be checked (:func:`screen_values`)."""
+    heads = f.int("num_attention_heads")
+    lib = f.resolved if f.resolved and f.resolved.library else None
+    if f.in_file("num_key_value_heads") or lib is None or "num_key_value_heads" in f.cfg:
+        return f.int("num_key_value_heads")
+    return int(f.derive("num_key_value_heads", heads, f"{lib.class_name} has no GQA field: MHA"))
 
 
 def _kv_tokens(f: Fields, dt: Dtypes) -> tuple[tuple[TokenTensor, ...], str]:
-    heads = f.int("num_key_value_heads", default=f.get("num_attention_heads"))
+    heads = kv_head_count(f)
     dim = attention_head_dim(f)
     keys = TokenTensor("keys", heads * dim, dt.kv)
     return (keys, TokenTensor("values", heads * dim, dt.kv)), f"K+V {heads}x{dim}"
 
 
 def _attention_layer(f: Fields, index: int, dt: Dtypes) -> LayerSpec:
-    if f.optional("kv_lora_rank") is not None:
+    if f.marker("kv_lora_rank") is not None:
         tokens, detail = _mla_tokens(f, dt)
         return LayerSpec(index, "mla", tokens=tokens, mixer="mla", detail=detail)
     tokens, detail = _kv_tokens(f, dt)
@@ -352,10 +323,11 @@ def _state_mixer(f: Fields, name: str, dt: Dtypes) -> tuple[str, tuple[StateTens
         if applies(f, name):
             states, detail = rule(f, dt)
             return mixer, states, detail
-    f.problems.append(
-        f"layer type {name!r}: no sizing rule for this model's state mixer "
-        "(known: short conv, Mamba-1, Mamba-2, Gated DeltaNet, KDA, lightning attention)"
-    )
+    f.problem(
+        "layer_types", f"got {name!r} layers, expected a state mixer with a sizing rule (no sizing "
+        "rule for this model's state mixer; known: short conv, Mamba-1, Mamba-2, Gated DeltaNet, "
+        "KDA, lightning attention)",
+    )  # fmt: skip
     return "unknown", (), "unknown mixer"
 
 
@@ -393,10 +365,9 @@ def _lightning(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
     return (state,), f"lightning attention state {heads}x{dim}x{dim}"
 
 
-def _mamba2_heads(f: Fields) -> Any:
-    return f.optional("mamba_n_heads", "mamba_num_heads", "n_mamba_heads") or (
-        f.optional("num_heads") if f.model_type == "mamba2" else None
-    )
+def _mamba2_head_keys(f: Fields) -> tuple[str, ...]:
+    keys = ("mamba_n_heads", "mamba_num_heads", "n_mamba_heads")
+    return (*keys, "num_heads") if f.model_type == "mamba2" else keys
 
 
 _MAMBA2_HEAD_DIM = ("mamba_d_head", "mamba_head_dim", "mamba_headdim")
@@ -406,12 +377,12 @@ _MAMBA2_GROUPS = ("mamba_n_groups", "n_groups", "mamba_ngroups", "mamba_num_grou
 def _is_mamba2(f: Fields) -> bool:
     """Mamba heads; not Zamba's, which split Mamba-1 channels (no head size, no groups)."""
     if f.model_type != "zamba":
-        return _mamba2_heads(f) is not None
-    return f.optional(*_MAMBA2_HEAD_DIM, *_MAMBA2_GROUPS) is not None
+        return f.marker(*_mamba2_head_keys(f)) is not None
+    return f.marker(*_MAMBA2_HEAD_DIM, *_MAMBA2_GROUPS) is not None
 
 
 def _mamba2(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
-    heads = f.int("mamba_n_heads", "mamba_num_heads", "n_mamba_heads", default=_mamba2_heads(f))
+    heads = f.int(*_mamba2_head_keys(f))
     head = f.int("head_dim") if f.model_type == "mamba2" else f.int(*_MAMBA2_HEAD_DIM)
     d_state = f.int("mamba_d_state", "ssm_state_size", "state_size")
     groups = f.int(*_MAMBA2_GROUPS)
@@ -440,13 +411,13 @@ def _mamba1(f: Fields, dt: Dtypes) -> tuple[tuple[StateTensor, ...], str]:
 
 
 _MIXERS: tuple[tuple[str, Callable[[Fields, str], bool], _StateRule], ...] = (
-    ("short_conv", lambda f, n: n == "conv" or f.optional("conv_L_cache") is not None, _short_conv),
-    ("gated_deltanet", lambda f, n: f.optional("linear_num_value_heads") is not None,
+    ("short_conv", lambda f, n: n == "conv" or f.marker("conv_L_cache") is not None, _short_conv),
+    ("gated_deltanet", lambda f, n: f.marker("linear_num_value_heads") is not None,
      _gated_deltanet),
-    ("kda", lambda f, n: f.optional("linear_num_heads") is not None, _kda),
-    ("lightning", lambda f, n: f.optional("linear_attn_alpha_factor") is not None, _lightning),
+    ("kda", lambda f, n: f.marker("linear_num_heads") is not None, _kda),
+    ("lightning", lambda f, n: f.marker("linear_attn_alpha_factor") is not None, _lightning),
     ("mamba2", lambda f, n: _is_mamba2(f), _mamba2),
-    ("mamba1", lambda f, n: f.optional("mamba_d_state", "state_size") is not None, _mamba1),
+    ("mamba1", lambda f, n: f.marker("mamba_d_state", "state_size") is not None, _mamba1),
 )  # fmt: skip
 
 
@@ -471,23 +442,12 @@ def _notes(f: Fields, layers: list[LayerSpec], types: list[str], dt: Dtypes) -> 
     resolved = f.resolved
     if resolved is not None:
         notes.extend(resolved.notes)
-        defaulted = sorted(k for k in f.read if resolved.defaulted(k) and _not_derived(k, f))
-        if defaulted:
-            values = ", ".join(f"{k}={resolved.text[k]!r}" for k in defaulted)
-            notes.append(f"not in the config, taken from {resolved.library}'s defaults: {values}")
+        notes.extend(f.notes())
         for key, why in sorted(resolved.dropped.items()):
-            notes.append(f"field {key!r} ignored (transformers rejects it: {why})")
+            if key not in f.read:
+                notes.append(f"field {key!r} ignored: the sizing does not read it and "
+                             f"transformers rejects it ({one_line(why, 120)})")  # fmt: skip
     return notes
-
-
-def _not_derived(key: str, f: Fields) -> bool:
-    """Defaults worth naming: not the layer pattern, not a head size equal to hidden / heads."""
-    if key in ("layer_types", "num_hidden_layers"):
-        return False
-    if key == "head_dim":
-        heads = f.cfg.get("num_attention_heads") or 0
-        return not heads or f.cfg.get("hidden_size", 0) // heads != f.cfg.get("head_dim")
-    return True
 
 
 def _state_note(layers: list[LayerSpec], dt: Dtypes) -> str:
@@ -515,9 +475,3 @@ def head_dim(cfg: dict[str, Any], model_type: str) -> int:
     dim = attention_head_dim(f)
     f.check()
     return dim
-
-
-def kv_heads(cfg: dict[str, Any], model_type: str) -> int:
-    """``num_key_value_heads``; absent means MHA, as the model code does."""
-    heads = need_int(cfg, model_type, "num_attention_heads")
-    return need_int(cfg, model_type, "num_key_value_heads", heads)

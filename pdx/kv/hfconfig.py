@@ -1,12 +1,14 @@
 """Read a ``config.json`` through transformers' own configuration classes.
 
-Class defaults, derived ``layer_types``, nested text configs and field aliases then come from
-the library that defines the model. Importing transformers' configuration code also imports
-torch whenever torch is installed (its RoPE helpers do so at module level), so when torch is
-not loaded yet the classes are run in a short child process that hides torch from them; the
-result (plain JSON) is cached on disk per transformers version and config, so only the first
-reading of a config pays for the child. Model types transformers does not know are read from
-the raw dict.
+Derived ``layer_types``, nested text configs and field aliases then come from the library that
+defines the model. Its class defaults do not stand in for fields the file lacks: the payload
+names the class, its aliases, and the fields missing from the file that the class's derived
+layer pattern depends on, so that the sizing (:mod:`pdx.kv.families`) can refuse a value only
+a default supplied. Importing transformers' configuration code also imports torch whenever
+torch is installed (its RoPE helpers do so at module level), so when torch is not loaded yet
+the classes are run in a short child process that hides torch from them; the result (plain
+JSON) is cached on disk per transformers version and config, so only the first reading of a
+config pays for the child. Model types transformers does not know are read from the raw dict.
 """
 
 from __future__ import annotations
@@ -27,7 +29,9 @@ from typing import Any
 from pdx.errors import UnsupportedModelError
 
 #: Keys that never affect sizing and that strict config classes may reject or convert.
-_IGNORED = ("_source", "_name_or_path", "auto_map", "quantization_config", "torch_dtype", "dtype")
+_IGNORED = (
+    "_source", "_name_or_path", "_note", "auto_map", "quantization_config", "torch_dtype", "dtype"
+)  # fmt: skip
 #: Attributes read with ``getattr`` (properties or derived values that ``to_dict`` omits).
 _DERIVED_ATTRS = (
     "layer_types",
@@ -37,16 +41,53 @@ _DERIVED_ATTRS = (
     "kv_sharing_modes",
     "num_hidden_layers",
 )
+#: Attributes the configuration classes derive from other fields (a per-layer pattern).
+CLASS_DERIVED = ("layer_types", "kv_sharing_modes")
+#: Knobs some classes pop from their keyword arguments (so ``to_dict`` never shows them).
+_KWARG_KNOBS = ("sliding_window_pattern", "full_attention_interval", "global_attn_every_n_layers")
 _MAX_DROPS = 8
 _CHILD_TIMEOUT_S = 120
+#: Bumped whenever the payload changes shape, so cached payloads of older pdx are not reused.
+_PAYLOAD_VERSION = 3
+
+
+class RejectedConfig(UnsupportedModelError):
+    """transformers' configuration class refused the whole config (no field it names).
+
+    ``reason`` is its message on one line; :func:`blame` finds the fields it is about.
+    """
+
+    def __init__(self, model_type: str, reason: str) -> None:
+        self.model_type = model_type
+        self.reason = reason
+        super().__init__(f"model_type {model_type!r}: transformers rejects this config: {reason}")
+
+
+def blame(text: dict[str, Any], reason: str) -> list[str]:
+    """The fields of ``text`` a foreign error message is about: those it names, else those
+    whose value it quotes (``The hidden size (8192) is not a multiple of ... (65)``)."""
+    words = set(re.findall(r"[A-Za-z_][A-Za-z0-9_]*", reason))
+    scalar = {k: v for k, v in text.items() if isinstance(v, int | float | str)}
+    named = [k for k in scalar if k in words]
+    if named:
+        return named
+    numbers = set(re.findall(r"(?<![\w.])-?\d+(?:\.\d+)?(?![\w.])", reason))
+    return [
+        k for k, v in scalar.items()
+        if isinstance(v, int | float) and not isinstance(v, bool) and abs(v) >= 2
+        and str(v) in numbers
+    ]  # fmt: skip
 
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """The decoder's config after transformers filled it in (or the raw dict, ``library=None``).
+    """The decoder's config as transformers read it (or the raw dict, ``library=None``).
 
-    ``dropped`` maps fields the configuration class rejected to its message; they were left
-    out and the class default used (sizing refuses a dropped field it needs).
+    ``raw_text`` is the decoder part of the file as written; ``dropped`` maps fields the
+    configuration class rejected to its message (left out, so the class used its default;
+    sizing refuses a dropped field it needs). ``aliases`` maps standard names to the class's
+    own (GPT-2's ``n_layer``); ``derived_inputs`` maps each attribute in :data:`CLASS_DERIVED`
+    the class derived to the fields missing from the file whose defaults it used.
     """
 
     model_type: str
@@ -55,10 +96,25 @@ class ResolvedConfig:
     raw_text: dict[str, Any]
     dropped: dict[str, str] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    class_name: str | None = None
+    aliases: dict[str, str] = field(default_factory=dict)
+    derived_inputs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
-    def defaulted(self, key: str) -> bool:
-        """Whether ``key`` came from the class default rather than the config file."""
-        return self.library is not None and key not in self.raw_text and key in self.text
+    def file_key(self, key: str) -> str | None:
+        """The name under which the file sets ``key`` (itself or the class's alias), if it does."""
+        for name in (key, self.aliases.get(key)):
+            if name is not None and self.raw_text.get(name) is not None:
+                return name
+        return None
+
+    def in_file(self, key: str) -> bool:
+        """Whether the file itself sets ``key`` (not null), under its name or an alias."""
+        return self.file_key(key) is not None
+
+    def file_value(self, key: str) -> Any:
+        """The value the file gives ``key`` (None when it does not)."""
+        name = self.file_key(key)
+        return None if name is None else self.raw_text[name]
 
 
 def raw_text_config(config: dict[str, Any]) -> tuple[dict[str, Any], str]:
@@ -100,6 +156,8 @@ def resolve_config(config: dict[str, Any], *, allow_torch: bool = False) -> Reso
         payload = _resolve_cached(key, version)
     if payload.get("unknown"):
         return _raw(raw_text, raw_type, f"transformers {version} does not know it")
+    if payload.get("rejected"):
+        raise RejectedConfig(raw_type, str(payload["error"]))
     if payload.get("error"):
         raise UnsupportedModelError(f"model_type {raw_type!r}: {payload['error']}")
     return ResolvedConfig(
@@ -108,6 +166,9 @@ def resolve_config(config: dict[str, Any], *, allow_torch: bool = False) -> Reso
         library=f"transformers {version}",
         raw_text=raw_text,
         dropped=payload.get("dropped", {}),
+        class_name=payload.get("class_name"),
+        aliases=payload.get("aliases", {}),
+        derived_inputs=payload.get("derived_inputs", {}),
     )
 
 
@@ -140,10 +201,8 @@ def build_hf_config(config: dict[str, Any]) -> tuple[Any, dict[str, str]]:
         except Exception as exc:  # strict dataclass validation, ValueError, TypeError
             name = _rejected_field(exc)
             if name is None or name in dropped or not _drop(work, name):
-                raise UnsupportedModelError(
-                    f"model_type {model_type!r}: transformers rejects this config: {_one_line(exc)}"
-                ) from None
-            dropped[name] = _one_line(exc)
+                raise RejectedConfig(model_type, _reason(exc)) from None
+            dropped[name] = one_line(exc)
     raise UnsupportedModelError(
         f"model_type {model_type!r}: transformers rejects too many fields: {', '.join(dropped)}"
     )
@@ -161,18 +220,90 @@ def resolve_in_process(config: dict[str, Any]) -> dict[str, Any]:
         return {"error": _not_decoder(str(config["model_type"]))}
     try:
         hf, dropped = build_hf_config(config)
+    except RejectedConfig as exc:
+        return {"error": exc.reason, "rejected": True}
     except UnsupportedModelError as exc:
         return {"error": str(exc).split(": ", 1)[-1]}
     text = hf.get_text_config(decoder=True)
     if not _is_decoder(hf, text):
         return {"error": _not_decoder(text.model_type)}
+    aliases = {str(k): str(v) for k, v in (getattr(text, "attribute_map", None) or {}).items()}
     data = text.to_dict()
-    for attr in _DERIVED_ATTRS:
+    for attr in (*_DERIVED_ATTRS, *aliases):
         value = getattr(text, attr, None)
         if value is not None:
             data[attr] = list(value) if isinstance(value, list | tuple) else value
     data = json.loads(json.dumps(data, default=str))
-    return {"model_type": text.model_type, "text": data, "dropped": dropped}
+    return {
+        "model_type": text.model_type,
+        "text": data,
+        "dropped": dropped,
+        "class_name": type(text).__name__,
+        "aliases": aliases,
+        "derived_inputs": derived_inputs(config, text, set(dropped), aliases),
+    }
+
+
+def derived_inputs(
+    config: dict[str, Any], text: Any, dropped: set[str], aliases: dict[str, str]
+) -> dict[str, dict[str, Any]]:
+    """For each attribute in :data:`CLASS_DERIVED` the class derived (the file does not list
+    it), the fields it depends on that the file does not set (or that were dropped), with
+    the class's value. Found by trying other values of each such field and watching the
+    derived attribute change; fields defaulting to null or false (a feature left off) are
+    not tried."""
+    config = json.loads(json.dumps(config))
+    for name in dropped:  # the trials run on what the class accepted
+        _drop(config, name)
+    given, _ = raw_text_config(config)
+    present = set(given)
+    wanted = [
+        a for a in CLASS_DERIVED if _plain(getattr(text, a, None)) is not None
+        and not {a, aliases.get(a)} & present
+    ]  # fmt: skip
+    if not wanted:
+        return {}
+    base = {a: _plain(getattr(text, a, None)) for a in wanted}
+    knobs = {k: v for k, v in text.to_dict().items() if not k.startswith("_")}
+    knobs.update({k: getattr(text, f"_{k}", getattr(text, k, None)) for k in _KWARG_KNOBS})
+    found: dict[str, dict[str, Any]] = {}
+    for knob, default in knobs.items():
+        if knob in present or knob in wanted or {knob, aliases.get(knob)} & present:
+            continue
+        for attr in _changed_by(config, knob, default, base):
+            found.setdefault(attr, {})[knob] = default
+    return found
+
+
+def _changed_by(config: dict[str, Any], knob: str, default: Any, base: dict[str, Any]) -> set[str]:
+    """The derived attributes that change when ``knob`` takes another value."""
+    from transformers import CONFIG_MAPPING
+
+    changed: set[str] = set()
+    for value in _trial_values(default, knob in _KWARG_KNOBS):
+        trial = json.loads(json.dumps(config))
+        raw_text_config(trial)[0][knob] = value
+        try:
+            fields = {k: v for k, v in trial.items() if k != "model_type"}
+            text = CONFIG_MAPPING[trial["model_type"]](**fields).get_text_config(decoder=True)
+        except Exception:  # a value the class refuses tells nothing
+            continue
+        changed |= {a for a, v in base.items() if _plain(getattr(text, a, None)) != v}
+    return changed
+
+
+def _trial_values(default: Any, kwarg_knob: bool) -> list[Any]:
+    if kwarg_knob:
+        return [2, 3]
+    if isinstance(default, bool):
+        return [False] if default else []
+    if isinstance(default, int):
+        return [v for v in dict.fromkeys((default + 1, 1, 2)) if v != default]
+    return []
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, list | tuple) else value
 
 
 def _not_decoder(model_type: str) -> str:
@@ -220,8 +351,18 @@ def _drop(config: dict[str, Any], name: str) -> bool:
     return hit
 
 
-def _one_line(exc: Exception) -> str:
-    return " ".join(str(exc).split())[:300]
+def _reason(exc: Exception) -> str:
+    """A configuration class's refusal, without the validation wrapper's preamble."""
+    text = re.sub(r"^Class validation error for validator '\w+': ", "", one_line(exc, 1000))
+    return one_line(text, 200)
+
+
+def one_line(exc: Exception | str, limit: int = 240) -> str:
+    """A foreign error message on one line, cut at a word boundary when long."""
+    text = " ".join(str(exc).split())
+    if len(text) <= limit:
+        return text
+    return text[:limit].rsplit(" ", 1)[0] + " ..."
 
 
 def _cache_dir() -> Path:
@@ -231,7 +372,7 @@ def _cache_dir() -> Path:
 
 @lru_cache(maxsize=256)
 def _resolve_cached(key: str, version: str) -> dict[str, Any]:
-    digest = hashlib.sha256(f"{version}\n{key}".encode()).hexdigest()
+    digest = hashlib.sha256(f"{_PAYLOAD_VERSION}\n{version}\n{key}".encode()).hexdigest()
     path = _cache_dir() / f"{digest}.json"
     try:
         cached: dict[str, Any] = json.loads(path.read_text())

@@ -81,6 +81,8 @@ class MeasureKVReport:
     block_size: int | None = None
     config_source: str | None = None
     state_dtypes: dict[str, str] = field(default_factory=dict)
+    derived: dict[str, str] = field(default_factory=dict)
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 def layer_rows(spec: KVSpec) -> list[dict[str, Any]]:
@@ -216,6 +218,9 @@ def measure_kv(source: ModelSource, opts: MeasureOptions) -> MeasureKVReport:
     )
     requests = request_rows(spec, opts.seqs, opts)
     notes = list(spec.notes)
+    if source.overrides:
+        values = ", ".join(f"{k}={v!r}" for k, v in source.overrides.items())
+        notes.insert(0, f"set with --set (not from the config file): {values}")
     block = None
     if spec.engine == "vllm":
         sizing = vllm_kv_bytes(spec, opts.seqs[0], opts.block_size, device=opts.device)
@@ -247,4 +252,6 @@ def measure_kv(source: ModelSource, opts: MeasureOptions) -> MeasureKVReport:
         block_size=block,
         config_source=spec.config_source,
         state_dtypes=spec.state_dtypes(),
+        derived=spec.derived,
+        overrides=dict(source.overrides),
     )

@@ -1,4 +1,5 @@
-"""Where a model config comes from: a config.json file, a checkpoint directory, or a preset.
+"""Where a model config comes from: a config.json file, a checkpoint directory, or a preset,
+plus the fields ``--set FIELD=VALUE`` adds to it.
 
 Presets are the public ``config.json`` fields of well-known models, stored as JSON files in
 ``pdx/kv/presets/`` (``_source`` names the Hugging Face repository they come from).
@@ -6,22 +7,29 @@ Presets are the public ``config.json`` fields of well-known models, stored as JS
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
-from dataclasses import dataclass
+import re
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pdx.errors import InputError
+from pdx.errors import InputError, PdxError
 
 
 @dataclass(frozen=True)
 class ModelSource:
-    """A loaded config and where it came from (``model_dir`` only for checkpoints)."""
+    """A loaded config and where it came from (``model_dir`` only for checkpoints).
+
+    ``overrides`` are the fields ``--set`` put into ``config`` (already applied).
+    """
 
     name: str
     config: dict[str, Any]
     model_dir: Path | None = None
+    overrides: dict[str, Any] = field(default_factory=dict)
 
 
 def _preset_dir() -> Any:
@@ -56,7 +64,13 @@ def load_config_file(path: Path, field: str = "--config") -> ModelSource:
         ) from None
     if not isinstance(config, dict):
         raise InputError(field, str(path), "a JSON object (a Hugging Face config.json)")
-    return ModelSource(name=str(config.get("_name_or_path") or path.parent.name), config=config)
+    return ModelSource(name=str(config.get("_name_or_path") or config_name(path)), config=config)
+
+
+def config_name(path: Path) -> str:
+    """What to call a model given by its config file: a checkpoint's ``config.json`` by its
+    folder (``llama-3.1-70b/config.json``), any other file by its own name (``c.json`` → c)."""
+    return path.parent.resolve().name if path.name == "config.json" else path.stem
 
 
 def load_model_dir(path: Path) -> ModelSource:
@@ -91,3 +105,41 @@ def resolve_source(
         return load_model_dir(model_path)
     assert preset is not None
     return load_preset(preset)
+
+
+_FIELD_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """``--set FIELD=VALUE`` (repeatable) → ``{field: value}``; the value is read as JSON
+    (``80``, ``null``, ``true``, ``"x"``, ``[...]``), and as a plain string when it is not JSON."""
+    out: dict[str, Any] = {}
+    for item in items:
+        name, sep, text = item.partition("=")
+        name = name.strip()
+        if not sep or not _FIELD_NAME.fullmatch(name):
+            raise InputError("--set", item, "FIELD=VALUE with a config field name, e.g. "
+                             "num_hidden_layers=80")  # fmt: skip
+        try:
+            value = json.loads(text)
+        except ValueError:
+            value = text
+        if isinstance(value, dict):
+            raise InputError("--set", item, "a JSON number, string, true/false/null or list")
+        out[name] = value
+    return out
+
+
+def apply_overrides(source: ModelSource, overrides: dict[str, Any]) -> ModelSource:
+    """The source with ``overrides`` set in its decoder config (a wrapper's ``text_config``)."""
+    if not overrides:
+        return source
+    from pdx.kv.hfconfig import raw_text_config
+
+    config = copy.deepcopy(source.config)
+    try:
+        text, _ = raw_text_config(config)
+    except PdxError:  # no model_type yet: it may be among the overrides
+        text = config
+    text.update(overrides)
+    return dataclasses.replace(source, config=config, overrides=dict(overrides))

@@ -6,12 +6,16 @@ path answers in milliseconds and runs on machines without a model runtime.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pdx.errors import InputError
 from pdx.kv.layers import DTYPE_BYTES, GROWING_KINDS, STATE_DTYPES, LayerKind, LayerSpec
+
+if TYPE_CHECKING:
+    from pdx.kv.hfconfig import ResolvedConfig
 
 __all__ = ["DTYPE_BYTES", "STATE_DTYPES", "KVSpec", "LayerKind", "LayerSpec", "build_spec"]
 
@@ -31,6 +35,7 @@ class KVSpec:
     engine: str = "transformers"
     model_dtype: str = "bf16"
     config_source: str | None = None  # "transformers X.Y" or None (raw config fields)
+    derived: dict[str, str] = field(default_factory=dict)  # field -> how it was derived
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -143,7 +148,7 @@ def build_spec(
     """
     from pdx.errors import UnsupportedModelError
     from pdx.kv.families import Dtypes, classify_layers
-    from pdx.kv.hfconfig import resolve_config
+    from pdx.kv.fields import FieldProblems
     from pdx.kv.params import count_params
 
     dtype_bytes(dtype)
@@ -151,14 +156,26 @@ def build_spec(
         raise InputError("--state-dtype", state_dtype, f"one of {', '.join(STATE_DTYPES)}")
     check_engine(engine)
     model_dtype = model_dtype_for(dtype)
-    resolved = resolve_config(config, allow_torch=allow_torch)
+    resolved, invalid = read_config(config, allow_torch=allow_torch)
     dtypes = Dtypes(kv=dtype, model=model_dtype, state=state_dtype, engine=engine)
-    layers, notes = classify_layers(resolved, dtypes)
     try:
-        total, active = count_params(resolved.text, resolved.model_type)
+        classified = classify_layers(resolved, dtypes, invalid)
+    except FieldProblems as exc:  # name the count's bad values too, in the same line
+        extra = {k: v for k, v in param_problems(resolved).items() if k not in exc.problems}
+        if not extra:
+            raise
+        raise FieldProblems({**exc.problems, **extra}, exc.missing, exc.needed_for) from None
+    layers, notes = classified.layers, classified.notes
+    try:
+        total, active = count_params(resolved.text, resolved.model_type, resolved)
+    except FieldProblems as exc:
+        if exc.problems:  # a bad value is an error wherever it is read
+            raise
+        total = active = 0
+        notes.append(f"parameter count unknown: {exc}; --active-params-b gives recompute times")
     except UnsupportedModelError as exc:  # KV sizes do not need it; recompute times do
         total = active = 0
-        notes.append(f"parameter count unknown ({exc}); --active-params-b gives recompute times")
+        notes.append(f"parameter count unknown: {exc}; --active-params-b gives recompute times")
     if active_params is not None:
         active = active_params
         notes.append(f"active parameters set to {active_params:,} (--active-params-b)")
@@ -174,10 +191,67 @@ def build_spec(
         engine=engine,
         model_dtype=model_dtype,
         config_source=resolved.library,
+        derived=classified.derived,
     )
     recurrent = spec.state_dtypes().get("recurrent")
     shown = recurrent or (model_dtype if state_dtype == "auto" else state_dtype)
     return dataclasses.replace(spec, state_dtype=shown)
+
+
+def param_problems(resolved: ResolvedConfig) -> dict[str, str]:
+    """Bad values among the fields the parameter count reads (best effort, for one error)."""
+    from pdx.errors import PdxError
+    from pdx.kv.fields import FieldProblems
+    from pdx.kv.params import count_params
+
+    try:
+        count_params(resolved.text, resolved.model_type, resolved)
+    except FieldProblems as exc:
+        return exc.problems
+    except (PdxError, TypeError, ValueError):
+        pass
+    return {}
+
+
+def read_config(
+    config: dict[str, Any], *, allow_torch: bool = False
+) -> tuple[ResolvedConfig, dict[str, str]]:
+    """The config as its configuration class reads it, and the bad values pdx found first.
+
+    Integer fields the file sets are checked before transformers sees the file (a bad value
+    is named once, in pdx's words, instead of being dropped or failing deep in the class);
+    the class then reads the file without them, and ``raw_text`` keeps the file as written.
+    """
+    from pdx.kv.fields import screen_values
+    from pdx.kv.hfconfig import (
+        RejectedConfig,
+        ResolvedConfig,
+        blame,
+        raw_text_config,
+        resolve_config,
+    )
+
+    text, model_type = raw_text_config(config)
+    invalid = screen_values(text)
+    clean = copy.deepcopy(config)
+    inner, _ = raw_text_config(clean)
+    for key in invalid:
+        inner.pop(key, None)
+    try:
+        resolved = resolve_config(clean, allow_torch=allow_torch)
+    except RejectedConfig as exc:
+        # Name the fields the class's message is about, in pdx's form, and read the file's
+        # own fields for the rest, so the one error still names every missing field.
+        suspects = [k for k in blame(text, exc.reason) if k not in invalid]
+        got = ", ".join(repr(text[k]) for k in suspects)
+        key = ", ".join(suspects) or "config"
+        what = f"got {got}" if suspects else "got a file"
+        invalid[key] = (
+            f"{what}, expected what transformers accepts for model_type {exc.model_type!r} "
+            f"({exc.reason})"
+        )
+        resolved = ResolvedConfig(model_type, dict(text), None, text)
+    return dataclasses.replace(resolved, raw_text=text), invalid
 
 
 def check_positive(field_name: str, value: int, *, allow_zero: bool = False) -> int:

@@ -3,7 +3,8 @@
 A :class:`ChunkTransport` sends length-delimited chunks and reports each receiver
 acknowledgement with its arrival time. The sweep keeps ``window`` chunks in flight
 (back-to-back sending), times each chunk from the start of its send to its acknowledgement,
-and recommends the smallest chunk size that reaches 90 % of the best goodput. Plain TCP
+and recommends the smallest chunk size that reaches 90 % of the best goodput (``probe-link``
+with a TTFT budget chooses only among the sizes that pass its ``chunk_p99`` rule). Plain TCP
 framing through the probe server is the built-in transport; other transports (for example
 the KV gRPC path) register a factory under a name.
 """
@@ -19,8 +20,8 @@ import socket
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from pdx.errors import InputError, MeasurementError
@@ -257,13 +258,31 @@ def measure_chunk_size(
     )
 
 
-def recommend_chunk(chunks: Sequence[ChunkResult], share: float = 0.9) -> int | None:
+CHUNK_GOODPUT_SHARE = 0.9
+"""A chunk size is recommended when its goodput is within this share of the best size's."""
+
+
+def recommend_chunk(
+    chunks: Sequence[ChunkResult], share: float = CHUNK_GOODPUT_SHARE
+) -> int | None:
     """Smallest chunk size whose goodput is at least ``share`` of the best size's."""
-    if not chunks:
+    return choose_chunk([asdict(c) for c in chunks], share=share)
+
+
+def choose_chunk(
+    rows: Sequence[Mapping[str, Any]],
+    *,
+    max_p99_ms: float | None = None,
+    share: float = CHUNK_GOODPUT_SHARE,
+) -> int | None:
+    """The chunk size to use, from ``chunks[]`` rows of a report: among the sizes whose p99 is
+    within ``max_p99_ms`` (every size when None), the smallest whose goodput is at least
+    ``share`` of the best of them. None when no size qualifies."""
+    fit = [r for r in rows if max_p99_ms is None or r["p99_ms"] <= max_p99_ms]
+    if not fit:
         return None
-    best = max(c.gbps for c in chunks)
-    fit = [c.chunk_bytes for c in chunks if c.gbps >= share * best]
-    return min(fit)
+    best = max(float(r.get("gbps") or 0.0) for r in fit)
+    return min(int(r["chunk_bytes"]) for r in fit if float(r.get("gbps") or 0.0) >= share * best)
 
 
 def run_chunk_sweep(

@@ -11,9 +11,9 @@ from typing import Any
 
 from pdx.errors import InputError, MeasurementError
 from pdx.link import phases
-from pdx.link.chunks import get_chunk_transport, run_chunk_sweep
+from pdx.link.chunks import CHUNK_GOODPUT_SHARE, choose_chunk, get_chunk_transport, run_chunk_sweep
 from pdx.link.client import ProbePlan, ProbeSession, parse_target
-from pdx.link.stats import summarize
+from pdx.link.stats import mean_ci95, summarize
 from pdx.link.verdict import VerdictRules, judge
 from pdx.tcp import TcpInfo, bdp_bytes, tcp_facts, window_for
 from pdx.units import MIB, human_bytes
@@ -127,7 +127,8 @@ def _run_phases(
     if "chunks" in opts.phases:
         _chunk_phase(session, opts, report, progress)
     report["tcp"] = tcp_summary(session, report)
-    report["recommendations"] = recommend(report)
+    rules = opts.rules
+    report["recommendations"] = recommend(report, rules.kv_direction, rules.chunk_p99_limit_ms)
 
 
 def _empty_report(opts: ProbeOptions) -> dict[str, Any]:
@@ -342,7 +343,14 @@ def _chunk_phase(
         on_size=each,
     )
     report["chunks"] = [asdict(c) for c in sweep.chunks]
-    report["chunk_recommended_bytes"] = sweep.recommended_bytes
+    limit_ms = opts.rules.chunk_p99_limit_ms
+    chosen = choose_chunk(report["chunks"], max_p99_ms=limit_ms)
+    report["chunk_recommended_bytes"] = chosen
+    if limit_ms is not None:
+        within = f"p99 within {limit_ms:g} ms: chunk_p99"
+        said = f"recommended {human_bytes(chosen)} ({within})" if chosen else (
+            f"none recommended: no size passes ({within})")  # fmt: skip
+        progress("chunks", said)
 
 
 # Which sysctl caps a window-limited stream, by what limited its sender (see pdx.tcp).
@@ -428,18 +436,36 @@ def _inferred_limit(
     return None
 
 
-def recommend(report: dict[str, Any]) -> dict[str, Any] | None:
-    """Deploy settings for the measured link, as ``pdx deploy --set`` takes them: stripes
-    enough to fill it when one stream is window-capped, the chunk size the sweep chose, the
-    link rate (socket buffers are then sized to its BDP), and the sysctls that cap a stream."""
+STREAM_SHARE = 0.95
+"""kv.streams: the fewest measured streams whose goodput is within 5 % of the best measured."""
+KV_DIRECTIONS = {"up": ("up",), "down": ("down",), "both": ("up", "down")}
+"""Which goodput direction carries the KV, by ``--kv-direction``: up = probe-link's host sends
+it to the probe server's host, down = the other way."""
+MAX_KV_STREAMS = 16  # what pdx deploy's kv.streams accepts
+
+
+def recommend(
+    report: dict[str, Any], kv_direction: str = "both", chunk_p99_limit_ms: float | None = None
+) -> dict[str, Any] | None:
+    """Deploy settings for the measured link, as ``pdx deploy --set`` takes them: the fewest
+    streams that reach the best measured goodput in the KV direction(s), the chunk size the
+    sweep chose (one that passes the chunk rule when a TTFT budget is given), the link rate
+    (socket buffers are then sized to its BDP), and the sysctls that cap a stream."""
     tp, tcp = report.get("throughput"), report.get("tcp") or {}
     if not tp:
         return None
     best = max(tp["up_gbps"], tp["down_gbps"])
+    interval_s = float((report.get("settings") or {}).get("sample_interval_s") or 0.1)
+    streams = stream_advice(tp.get("runs") or [], kv_direction, interval_s=interval_s)
     single = tcp.get("single_stream") or {}
-    one = min((s["gbps"] for s in single.values() if s["capped_by_buffers"]), default=None)
-    streams = 1 if not one else max(1, min(16, math.ceil(best / one - 0.05)))
-    sets: dict[str, Any] = {"kv.streams": streams, "kv.link_gbps": round(best, 3)}
+    capped = [f"one {d} stream is window-capped: the sysctl advice lets one carry more"
+              for d in KV_DIRECTIONS[kv_direction]
+              if (single.get(d) or {}).get("capped_by_buffers")]  # fmt: skip
+    streams["why"] = "; ".join([streams["why"], *capped])
+    sets: dict[str, Any] = {}
+    if streams["streams"] is not None:
+        sets["kv.streams"] = min(MAX_KV_STREAMS, streams["streams"])
+    sets["kv.link_gbps"] = round(best, 3)
     chunk = report.get("chunk_recommended_bytes")
     if chunk:
         sets["kv.chunk_size_kb"] = max(64, min(8192, int(chunk) // 1024))
@@ -448,8 +474,6 @@ def recommend(report: dict[str, Any]) -> dict[str, Any] | None:
         cap = s.get("cap")
         if cap:
             sysctls[f"{cap['end']} {cap['sysctl']}"] = f"4096 131072 {cap['would_not_cap_bytes']}"
-    why = (f"one stream reaches {one:.3f} of {best:.3f} Gbit/s (its window is capped)"
-           if one else "one stream fills the link")  # fmt: skip
     from pdx.errors import PdxError
     from pdx.link.vllm_advice import vllm_settings
 
@@ -457,4 +481,115 @@ def recommend(report: dict[str, Any]) -> dict[str, Any] | None:
         peer: str | None = parse_target(str(report.get("target") or ""))[0]
     except PdxError:  # a report without a usable target: no interface to name
         peer = None
-    return {"set": sets, "sysctl": sysctls, "why": why, "vllm": vllm_settings(report, peer)}
+    return {"set": sets, "sysctl": sysctls, "why": streams["why"], "streams": streams,
+            "chunk": chunk_advice(report, chunk_p99_limit_ms),
+            "vllm": vllm_settings(report, peer)}  # fmt: skip
+
+
+def stream_advice(
+    runs: list[dict[str, Any]],
+    kv_direction: str,
+    share: float = STREAM_SHARE,
+    interval_s: float = 0.1,
+) -> dict[str, Any]:
+    """``kv.streams`` from the measured 1- and N-stream goodput (``throughput.runs[]``): in each
+    direction the fewest streams within ``share`` of that direction's best; the KV direction
+    decides (``both``: the larger of the two). ``streams`` is None without runs."""
+    by_direction = {d: _fewest_streams(runs, d, share) for d in ("up", "down")}
+    chosen = {d: c["streams"] for d, c in by_direction.items() if c is not None}
+    counted = [d for d in KV_DIRECTIONS[kv_direction] if d in chosen]
+    streams = max((chosen[d] for d in counted), default=None)
+    out = {"streams": streams, "kv_direction": kv_direction, "share": share,
+           "by_direction": by_direction}  # fmt: skip
+    return out | {"why": _streams_why(out, counted, interval_s)}
+
+
+def _fewest_streams(
+    runs: list[dict[str, Any]], direction: str, share: float
+) -> dict[str, Any] | None:
+    mine = sorted((r for r in runs if r["direction"] == direction), key=lambda r: r["streams"])
+    if not mine:
+        return None
+    best = max(r["gbps"] for r in mine)
+    chosen = next(r for r in mine if r["gbps"] >= share * best)
+    return {"streams": chosen["streams"], "best_gbps": best,
+            "runs": [_stream_figure(r) for r in mine]}  # fmt: skip
+
+
+def _stream_figure(run: dict[str, Any]) -> dict[str, Any]:
+    """One test's goodput with its 95 % interval (from its samples when the run lacks it)."""
+    samples = run.get("intervals_gbps")
+    interval = run.get("ci95_gbps")
+    if interval is None and samples:
+        ci = mean_ci95(samples)
+        interval = [ci.low, ci.high] if math.isfinite(ci.half_width) else None
+    return {"streams": run["streams"], "gbps": run["gbps"], "ci95_gbps": interval,
+            "samples": len(samples) if samples else None}  # fmt: skip
+
+
+def _streams_why(advice: dict[str, Any], counted: list[str], interval_s: float) -> str:
+    n = advice["streams"]
+    if n is None:
+        return "no 1- and N-stream goodput in the report: kv.streams not advised"
+    share = f"{1 - advice['share']:.0%}"
+    kv = f"{' and '.join(counted)} (the KV direction, --kv-direction {advice['kv_direction']})"
+    parts = [f"×{n}: the fewest streams within {share} of the best goodput measured {kv}"]
+    for direction, choice in advice["by_direction"].items():
+        if choice is not None:
+            role = "" if direction in counted else " (not the KV direction)"
+            text = ", ".join(_figure_text(f) for f in choice["runs"])
+            parts.append(f"{direction}{role} {text} Gbit/s → ×{choice['streams']}")
+    figures = [f for c in advice["by_direction"].values() if c for f in c["runs"]]
+    parts.append(_sample_text(figures, interval_s))
+    most = max(f["streams"] for f in figures)
+    if n == most > 1:
+        parts.append(f"more than ×{most} was not measured (--streams)")
+    if n > MAX_KV_STREAMS:
+        parts.append(f"kv.streams takes at most {MAX_KV_STREAMS}")
+    return "; ".join(parts)
+
+
+def _sample_text(figures: list[dict[str, Any]], interval_s: float) -> str:
+    """What the bracketed intervals are, and which figures have none."""
+    counts = sorted({f["samples"] for f in figures if f["samples"]})
+    many = f"{counts[0]}" if len(counts) == 1 else f"{counts[0]}-{counts[-1]}" if counts else "its"
+    text = f"[low-high]: 95 % CI of a test's mean over its {many} {interval_s:g} s samples"
+    if any(f["ci95_gbps"] is None for f in figures):
+        text += " (a figure without one is a single mean, with no interval)"
+    return text
+
+
+def _figure_text(figure: dict[str, Any]) -> str:
+    ci = figure["ci95_gbps"]
+    interval = f" [{ci[0]:.3f}-{ci[1]:.3f}]" if ci else ""
+    return f"×{figure['streams']} {figure['gbps']:.3f}{interval}"
+
+
+def chunk_advice(report: dict[str, Any], limit_ms: float | None) -> dict[str, Any] | None:
+    """The chunk size the report recommends, and why (None without a chunk sweep)."""
+    chunks = report.get("chunks") or []
+    if not chunks:
+        return None
+    chosen = report.get("chunk_recommended_bytes")
+    best = max(chunks, key=lambda c: c["gbps"])
+    near = f"within {CHUNK_GOODPUT_SHARE:.0%} of the best goodput"
+    if limit_ms is None:
+        why = (f"{_size(chosen)}: the smallest size {near} ({_size(best['chunk_bytes'])}, "
+               f"{best['gbps']:.3f} Gbit/s); no TTFT budget, so no p99 was judged")  # fmt: skip
+    elif chosen is None:
+        nearest = min(chunks, key=lambda c: c["p99_ms"])
+        why = (f"none: no swept size's p99 is within {limit_ms:g} ms (chunk_p99); the nearest "
+               f"is {_size(nearest['chunk_bytes'])} at {nearest['p99_ms']:.1f} ms")  # fmt: skip
+    else:
+        passing = [c for c in chunks if c["p99_ms"] <= limit_ms]
+        listed = ", ".join(f"{_size(c['chunk_bytes'])} {c['p99_ms']:.1f} ms" for c in passing)
+        why = (f"{_size(chosen)}: the smallest size {near} among those whose p99 is within "
+               f"{limit_ms:g} ms (chunk_p99: {listed})")  # fmt: skip
+        if best not in passing:
+            why += (f"; {_size(best['chunk_bytes'])} moved the most ({best['gbps']:.3f} Gbit/s) "
+                    f"but its p99 is {best['p99_ms']:.1f} ms")  # fmt: skip
+    return {"bytes": chosen, "max_p99_ms": limit_ms, "why": why}
+
+
+def _size(n: int | None) -> str:
+    return "none" if n is None else human_bytes(int(n))

@@ -365,6 +365,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         await self._wait_for_memory(req)
         self.fetching += 1
         rebuild: list[StreamRebuild] = []  # the early rebuild of a streamed object
+        started = time.perf_counter()
         try:
             if req.first_token_in_kv:  # streamed KV: read it while prefill still writes it
 
@@ -376,6 +377,9 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
                 got = await self.kv.fetch_streamed(req.kv_endpoint, req.kv_id, on_bytes)
             else:
                 got = await self.kv.fetch(req.kv_endpoint, req.kv_id)
+        except KVError:  # transfer_ms is the whole fetch, its failed attempts too
+            st.transfer_ms = (time.perf_counter() - started) * 1e3
+            raise
         finally:
             self.fetching -= 1
         st.kv_bytes, st.transfer_ms, st.retries = got.kv_bytes, got.transfer_ms, got.retries

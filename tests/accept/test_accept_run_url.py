@@ -155,6 +155,29 @@ def test_invalid_run_is_no_go_and_says_why(sse_server, tmp_path: Path) -> None:
     assert kv["kv_bytes_per_token"] == 131072  # Llama-3.1-8B, bf16: 2·32·8·128·2
 
 
+def test_progress_lines_on_stderr_when_it_is_not_a_terminal(sse_server, tmp_path: Path) -> None:
+    """A script or CI log sees the run move (stdout stays the JSON report)."""
+    pb = _playbook(tmp_path, sse_server.url, concurrency=[1, 2], duration_s=2)
+    result = CliRunner().invoke(app, ["accept", str(pb), "--out", str(tmp_path), "--json"])
+    data = json.loads(result.stdout)
+    lines = [line.split(" ", 1)[1] for line in result.stderr.strip().splitlines()]
+    assert lines[0] == f"target: starting (the running target {sse_server.url})"
+    assert lines[1].startswith("target: ready at ") and lines[2].startswith("pre-flight: ")
+    steps = [line for line in lines if line.startswith("step ")]
+    assert [s.split(":")[0] for s in steps] == [
+        f"step 1/2 {data['steps'][0]['id']}",
+        f"step 1/2 {data['steps'][0]['id']}",
+        f"step 2/2 {data['steps'][1]['id']}",
+        f"step 2/2 {data['steps'][1]['id']}",
+    ]
+    assert "started (2 s of load planned)" in steps[0] and " requests, " in steps[1]
+    assert lines[-1].startswith(f"verdict: {data['verdict']} (exit {result.exit_code}); report: ")
+    quiet = CliRunner().invoke(
+        app, ["accept", str(pb), "--out", str(tmp_path), "--json", "--no-progress"]
+    )
+    assert quiet.stderr == ""
+
+
 def test_failed_requests_are_counted_not_timed(sse_server, tmp_path: Path) -> None:
     sse_server.cfg.fail_every = 4
     pb = _playbook(tmp_path, sse_server.url, concurrency=[2], duration_s=2)

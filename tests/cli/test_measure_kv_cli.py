@@ -134,7 +134,10 @@ def _bad_config(tmp_path: Path, name: str, **changes) -> str:
         (["--preset", "llama-3.1-8b", "--seq", "0"], "--seq: got '0'"),
         (["--preset", "llama-3.1-8b", "--seq", "-3"], "--seq"),
         (["--preset", "llama-3.1-8b", "--seq", "many"], "--seq: got 'many'"),
-        (["--preset", "llama-3.1-8b", "--codecs", "fp8-e4m3,bogus"], "codec: got 'bogus'"),
+        (["--preset", "llama-3.1-8b", "--codecs", "fp8-e4m3,bogus"], "--codecs: got 'bogus'"),
+        (["--preset", "llama-3.1-8b", "--codecs", "foo"], "--codecs: got 'foo', expected one of"),
+        (["--preset", "llama-3.1-8b", "--set", "num_hidden_layers"], "--set: got 'num_hidden_"),
+        (["--preset", "llama-3.1-8b", "--set", "a b=1"], "--set: got 'a b=1', expected FIELD"),
         (["--preset", "llama-3.1-8b", "--dtype", "int3"], "--dtype: got 'int3'"),
         (["--preset", "jamba-v0.1", "--state-dtype", "fp8"], "--state-dtype"),
         (["--preset", "llama-3.1-8b", "--qps", "0"], "--qps"),
@@ -162,12 +165,12 @@ def test_bad_config_files(tmp_path: Path) -> None:
                 num_key_value_heads=None,
                 num_attention_heads=None,
             ),
-            "'num_attention_heads'",
+            "missing num_attention_heads, num_key_value_heads: ",
         ),
         (_bad_config(tmp_path, "b", model_type="t5"), "'t5' is not a decoder-only"),
         (
             _bad_config(tmp_path, "c", num_hidden_layers="many"),
-            "'num_hidden_layers' was rejected by transformers",
+            "error: num_hidden_layers: got 'many', expected a positive integer",
         ),
     ]
     for path, needle in cases:
@@ -287,3 +290,108 @@ def test_empirical_compares_every_tensor_of_a_hybrid_layer() -> None:
 def test_bad_engine_options(args: list[str], needle: str) -> None:
     result = run("--preset", "llama-3.1-8b", "--codecs", "none", *args)
     assert result.exit_code == 2 and needle in result.stderr
+
+
+# The Llama-3.1-70B fields a user wrote by hand (the report that started the refusals).
+LLAMA_70B = {
+    "model_type": "llama", "hidden_size": 8192, "num_attention_heads": 64,
+    "num_key_value_heads": 8, "num_hidden_layers": 80, "head_dim": 128,
+    "intermediate_size": 28672, "vocab_size": 128256, "torch_dtype": "bfloat16",
+}  # fmt: skip
+_GONE = object()
+
+
+def _write(tmp_path: Path, name: str, **changes: object) -> str:
+    cfg = {**LLAMA_70B, **changes}
+    cfg = {k: v for k, v in cfg.items() if v is not _GONE}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("name", "changes", "line"),
+    [
+        ("no-layers", {"num_hidden_layers": _GONE},
+         "error: missing num_hidden_layers: needed to size the KV cache of model_type 'llama' "
+         "(add it to the config or pass --set FIELD=VALUE)"),
+        ("no-kv-heads", {"num_key_value_heads": _GONE},
+         "error: missing num_key_value_heads: needed to size the KV cache of model_type 'llama' "
+         "(add it to the config or pass --set FIELD=VALUE)"),
+        ("fractional-hidden", {"hidden_size": 8192.5},
+         "error: hidden_size: got 8192.5, expected a positive integer"),
+        ("kv-heads-7", {"num_key_value_heads": 7},
+         "error: num_key_value_heads: got 7, expected a divisor of num_attention_heads (64)"),
+        ("kv-heads-negative", {"num_key_value_heads": -8},
+         "error: num_key_value_heads: got -8, expected a positive integer"),
+        ("kv-heads-word", {"num_key_value_heads": "eight"},
+         "error: num_key_value_heads: got 'eight', expected a positive integer"),
+        ("head-dim-0", {"head_dim": 0}, "error: head_dim: got 0, expected a positive integer"),
+    ],
+)  # fmt: skip
+def test_hand_written_config_is_refused_not_guessed(
+    tmp_path: Path, name: str, changes: dict, line: str
+) -> None:
+    """The must-show configs: exit 2 and exactly one line naming the field, never a guess."""
+    result = run("--config", _write(tmp_path, name, **changes), "--seq", "8k", "--codecs", "none")
+    assert result.exit_code == 2, result.output
+    assert result.stderr.splitlines() == [line]
+    assert result.stdout == ""
+
+
+def test_hand_written_complete_config_gives_327680(tmp_path: Path) -> None:
+    doc = run_json("--config", _write(tmp_path, "ok"), "--seq", "8k", "--codecs", "none")
+    assert doc["kv_bytes_per_token"] == 327_680
+    assert doc["derived"] == {} and doc["overrides"] == {}
+    no_dim = run_json(
+        "--config", _write(tmp_path, "derived", head_dim=_GONE), "--seq", "8k", "--codecs", "none"
+    )
+    assert no_dim["kv_bytes_per_token"] == 327_680
+    assert no_dim["derived"] == {"head_dim": "head_dim = 128 (hidden_size / num_attention_heads)"}
+    assert any("derived: head_dim = 128" in n for n in no_dim["notes"])
+
+
+def test_a_config_file_names_the_model_after_itself_a_checkpoints_after_its_folder(
+    tmp_path: Path,
+) -> None:
+    assert run_json("--config", _write(tmp_path, "c"), "--codecs", "none")["model"] == "c"
+    folder = tmp_path / "llama-3.1-70b-instruct"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(LLAMA_70B))
+    doc = run_json("--config", str(folder / "config.json"), "--codecs", "none")
+    assert doc["model"] == "llama-3.1-70b-instruct"
+
+
+def test_set_supplies_what_the_file_lacks(tmp_path: Path) -> None:
+    path = _write(tmp_path, "no-layers", num_hidden_layers=_GONE, num_key_value_heads=_GONE)
+    result = run("--config", path, "--codecs", "none")
+    assert result.exit_code == 2
+    assert "missing num_hidden_layers, num_key_value_heads: " in result.stderr
+    doc = run_json(
+        "--config", path, "--codecs", "none", "--set", "num_hidden_layers=80",
+        "--set", "num_key_value_heads=8",
+    )  # fmt: skip
+    assert doc["kv_bytes_per_token"] == 327_680
+    assert doc["overrides"] == {"num_hidden_layers": 80, "num_key_value_heads": 8}
+    assert doc["notes"][0].startswith("set with --set")
+    bad = run("--config", path, "--codecs", "none", "--set", "num_hidden_layers=80.5",
+              "--set", "num_key_value_heads=8")  # fmt: skip
+    assert bad.exit_code == 2
+    assert bad.stderr.splitlines() == [
+        "error: num_hidden_layers: got 80.5, expected a positive integer"
+    ]
+
+
+def test_set_reaches_a_wrappers_text_config() -> None:
+    """Gemma-3-4b-it's published config leaves four sizing fields to Gemma3TextConfig."""
+    path = Path(__file__).parents[1] / "kv" / "configs" / "gemma-3-4b-it.json"
+    result = run("--config", str(path), "--codecs", "none")
+    assert result.exit_code == 2 and len(result.stderr.splitlines()) == 1
+    for key in ("num_attention_heads", "num_key_value_heads", "head_dim", "sliding_window_pattern"):
+        assert key in result.stderr
+    sets = ["num_attention_heads=8", "num_key_value_heads=4", "head_dim=256",
+            "sliding_window_pattern=6"]  # fmt: skip
+    options = [a for s in sets for a in ("--set", s)]
+    doc = run_json("--config", str(path), "--codecs", "none", *options)
+    assert doc["kv_bytes_per_token"] == 5 * 4096
+    assert doc["layer_counts"] == {"sliding": 29, "full": 5}

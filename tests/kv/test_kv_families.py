@@ -19,7 +19,8 @@ KV2 = {**TINY, "num_key_value_heads": 2}
 MOE2 = {"n_routed_experts": 2, "moe_intermediate_size": 32, "num_experts_per_tok": 1}
 MLA_TINY = {"kv_lora_rank": 16, "qk_rope_head_dim": 8, "qk_nope_head_dim": 8, "v_head_dim": 16}
 
-# One hand-written config per family (what a user's scaled-down copy looks like).
+# One hand-written config per family (what a user's scaled-down copy looks like): every field
+# the sizing reads is written out (pdx takes none from transformers' class defaults).
 FAMILIES: dict[str, dict[str, Any]] = {
     "llama4_chunked": {
         "model_type": "llama4_text", **KV2, "num_hidden_layers": 4, "head_dim": 16,
@@ -43,24 +44,26 @@ FAMILIES: dict[str, dict[str, Any]] = {
         "model_type": "granitemoehybrid", **KV2, "num_hidden_layers": 3,
         "layer_types": ["mamba", "attention", "mamba"], "num_local_experts": 2,
         "shared_intermediate_size": 32, "mamba_n_heads": 4, "mamba_d_head": 32,
-        "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16,
+        "mamba_d_state": 8, "mamba_n_groups": 1, "mamba_chunk_size": 16, "mamba_d_conv": 4,
     },
     "nemotron_h_mamba2": {
         "model_type": "nemotron_h", **KV2, "num_hidden_layers": 4, "head_dim": 16,
         "layers_block_type": ["mamba", "attention", "mlp", "moe"], "mamba_num_heads": 4,
         "mamba_head_dim": 32, "ssm_state_size": 8, "n_groups": 2, "chunk_size": 16, **MOE2,
+        "conv_kernel": 4,
         "moe_shared_expert_intermediate_size": 32,
     },
     "zamba_multihead_mamba_and_shared_attention": {
         "model_type": "zamba", **KV2, "num_hidden_layers": 4,
         "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"], "mamba_d_state": 8,
-        "n_mamba_heads": 2, "mamba_d_conv": 3,
+        "n_mamba_heads": 2, "mamba_d_conv": 3, "mamba_expand": 2, "attention_head_dim": 32,
     },
     "zamba2_mamba2_and_shared_attention": {
         "model_type": "zamba2", **KV2, "num_hidden_layers": 4,
         "layers_block_type": ["mamba", "hybrid", "mamba", "hybrid"], "mamba_d_state": 8,
         "n_mamba_heads": 4, "mamba_headdim": 32, "chunk_size": 16, "num_mem_blocks": 1,
-        "hybrid_layer_ids": [1, 3],
+        "hybrid_layer_ids": [1, 3], "mamba_ngroups": 1, "mamba_d_conv": 4,
+        "attention_head_dim": 32,
     },
     "gemma3n_kv_shared": {
         "model_type": "gemma3n_text", **KV2, "num_hidden_layers": 4, "head_dim": 16,
@@ -92,11 +95,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "bamba_mamba2": {
         "model_type": "bamba", **KV2, "num_hidden_layers": 2, "attn_layer_indices": [1],
         "mamba_n_heads": 4, "mamba_d_head": 32, "mamba_d_state": 8, "mamba_chunk_size": 16,
+        "mamba_n_groups": 1, "mamba_d_conv": 4,
     },
     "qwen3_5_gated_deltanet": {
         "model_type": "qwen3_5_text", **KV2, "num_hidden_layers": 2, "head_dim": 16,
         "layer_types": ["linear_attention", "full_attention"], "linear_num_key_heads": 2,
         "linear_num_value_heads": 4, "linear_key_head_dim": 8, "linear_value_head_dim": 12,
+        "linear_conv_kernel_dim": 4,
     },
     "mamba_only": {
         "model_type": "mamba", "hidden_size": 64, "vocab_size": 256, "num_hidden_layers": 2,
@@ -115,6 +120,7 @@ FAMILIES: dict[str, dict[str, Any]] = {
     "bailing_hybrid_kda_and_mla": {
         "model_type": "bailing_hybrid", **TINY, "num_key_value_heads": 4, "num_hidden_layers": 2,
         **MLA_TINY, "head_dim": 16, "layer_group_size": 2, "num_local_experts": 2,
+        "linear_num_heads": 4, "linear_head_dim": 16, "linear_conv_kernel_dim": 4,
         "num_experts_per_tok": 1, "moe_intermediate_size": 32, "first_k_dense_replace": 1,
         "n_group": 1, "topk_group": 1, "pad_token_id": 0, "eos_token_id": 1,
     },

@@ -15,17 +15,44 @@ from typing import Any
 
 import pytest
 
+from pdx.errors import UnsupportedModelError
 from pdx.kv.engines import vllm_kv_bytes
 from pdx.kv.hfconfig import resolve_in_process
+from pdx.kv.source import ModelSource, apply_overrides
 from pdx.kv.spec import build_spec
 
 CONFIGS = Path(__file__).parent / "configs"
 NAMES = sorted(p.stem for p in CONFIGS.glob("*.json"))
 
 
-def load(name: str) -> dict[str, Any]:
+#: Fields a published config leaves to its class's defaults, given as ``--set`` would give them
+#: (Gemma 3 4B's values; pdx refuses the bare file, see below).
+FILLED = {
+    "gemma-3-4b-it": {
+        "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+        "sliding_window_pattern": 6,
+    },
+}  # fmt: skip
+
+
+def published(name: str) -> dict[str, Any]:
+    """The file exactly as published."""
     config: dict[str, Any] = json.loads((CONFIGS / f"{name}.json").read_text())
     return config
+
+
+def load(name: str) -> dict[str, Any]:
+    """The published file plus the fields in :data:`FILLED`, as ``--set`` adds them."""
+    source = ModelSource(name, published(name))
+    return apply_overrides(source, FILLED.get(name, {})).config
+
+
+def test_a_published_config_that_leaves_sizes_to_class_defaults_is_refused() -> None:
+    with pytest.raises(UnsupportedModelError) as err:
+        build_spec(published("gemma-3-4b-it"), name="g")
+    message = str(err.value)
+    assert message.startswith("missing ") and "\n" not in message
+    assert all(key in message for key in FILLED["gemma-3-4b-it"])
 
 
 def test_at_least_ten_current_models() -> None:

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from pdx.errors import InputError, UnsupportedModelError
-from pdx.kv.source import load_preset, preset_names
+from pdx.kv.source import ModelSource, apply_overrides, load_preset, preset_names
 from pdx.kv.spec import build_spec, parse_seq_list
 
 # bf16 bytes per token of the growing (full / MLA) layers, from the public configs.
@@ -28,7 +28,7 @@ GROWING_BF16 = {
     "phi-3-mini-4k-instruct": 0,  # every layer slides (window 2047)
     "falcon-h1-7b-instruct": 44 * 2 * 2 * 128 * 2,  # attention in every layer, beside Mamba-2
     "lfm2-1.2b": 6 * 2 * 8 * 64 * 2,
-    "gemma-3-4b-it": 5 * 2 * 4 * 256 * 2,  # heads and head_dim from Gemma3TextConfig
+    "gemma-3-4b-it": 5 * 2 * 4 * 256 * 2,  # heads and head_dim written out in the preset
     "kimi-k2.6": 70272,  # MLA under model_type kimi_k2
 }
 
@@ -152,7 +152,7 @@ def test_explicit_layer_types_win() -> None:
         (lambda c: c.update(model_type="bert"), "'bert' is not a decoder-only language model"),
         (lambda c: c.update(model_type="t5"), "'t5' is not a decoder-only language model"),
         (lambda c: c.pop("model_type"), "no 'model_type'"),
-        (lambda c: c.update(num_key_value_heads=0), "'num_key_value_heads'"),
+        (lambda c: c.update(num_key_value_heads=0), "num_key_value_heads: got 0, expected"),
     ],
 )
 def test_bad_configs_name_the_problem(mutate, needle: str) -> None:
@@ -167,8 +167,9 @@ def test_unknown_model_type_names_every_missing_field_at_once() -> None:
     with pytest.raises(UnsupportedModelError) as err:
         build_spec(cfg, name="x")
     message = str(err.value)
-    assert "'in_house_lm'" in message and "'num_attention_heads'" in message
-    assert message.count("missing") >= 1 and "\n" not in message
+    assert message.startswith("missing ") and message.count("missing") == 1
+    assert "num_attention_heads" in message and "num_key_value_heads" in message
+    assert "'in_house_lm'" in message and "--set FIELD=VALUE" in message and "\n" not in message
 
 
 def test_unknown_model_type_with_mla_fields_is_sized_as_mla() -> None:
@@ -178,27 +179,62 @@ def test_unknown_model_type_with_mla_fields_is_sized_as_mla() -> None:
     assert spec.config_source is None and any("kimi_k2" in n for n in spec.notes)
 
 
-def test_class_defaults_fill_what_the_published_config_omits() -> None:
+def test_class_defaults_never_fill_what_the_file_omits() -> None:
+    """Gemma3TextConfig would supply 8 heads, 4 KV heads and a 5:1 pattern: named instead."""
     cfg = copy.deepcopy(load_preset("gemma-3-27b").config)
     for key in ("sliding_window_pattern", "num_attention_heads", "num_key_value_heads"):
         del cfg["text_config"][key]
-    spec = build_spec(cfg, name="x")  # Gemma3TextConfig: 8 heads, 4 KV heads, pattern 6
-    assert spec.kind_counts() == {"sliding": 52, "full": 10}
-    assert spec.layers[0].tokens[0].elems == 4 * 128
-    note = next(n for n in spec.notes if "defaults" in n)
-    assert "num_key_value_heads=4" in note and "num_attention_heads=8" in note
+    with pytest.raises(UnsupportedModelError) as err:
+        build_spec(cfg, name="x")
+    message = str(err.value)
+    assert message.startswith("missing ") and "\n" not in message
+    for key in ("sliding_window_pattern", "num_attention_heads", "num_key_value_heads"):
+        assert key in message
+    assert "head_dim" not in message  # the file sets it
+    given = {"sliding_window_pattern": 6, "num_attention_heads": 32, "num_key_value_heads": 16}
+    spec = build_spec(apply_overrides(ModelSource("x", cfg), given).config, name="x")
+    assert spec.kv_bytes_per_token == GROWING_BF16["gemma-3-27b"]
 
 
-def test_field_transformers_rejects_is_dropped_with_a_note() -> None:
-    cfg = {
-        "model_type": "llama4",
-        "text_config": {"model_type": "llama4_text", "num_hidden_layers": 4,
-                        "attn_temperature_tuning": 4, "attention_chunk_size": 8192},
-    }  # fmt: skip
+def test_parameter_count_is_unknown_not_defaulted() -> None:
+    cfg = copy.deepcopy(load_preset("gemma-3-27b").config)
+    del cfg["text_config"]["vocab_size"]  # Gemma3TextConfig would count 262,208
+    spec = build_spec(cfg, name="x")
+    assert spec.kv_bytes_per_token == GROWING_BF16["gemma-3-27b"] and spec.params_total == 0
+    assert any(n.startswith("parameter count unknown: missing vocab_size") for n in spec.notes)
+    cfg["text_config"]["vocab_size"] = 1.5  # a bad value is an error, even for the count
+    with pytest.raises(UnsupportedModelError, match=r"^vocab_size: got 1\.5, expected a posi"):
+        build_spec(cfg, name="x")
+
+
+def test_head_dim_is_derived_only_where_the_class_derives_it() -> None:
+    llama = copy.deepcopy(load_preset("llama-3.1-8b").config)
+    spec = build_spec(llama, name="x")  # LlamaConfig: head_dim = hidden_size // heads
+    assert spec.derived == {"head_dim": "head_dim = 128 (hidden_size / num_attention_heads)"}
+    assert any("derived: head_dim = 128" in n for n in spec.notes)
+    gemma = copy.deepcopy(load_preset("gemma-3-27b").config)
+    del gemma["text_config"]["head_dim"]  # Gemma3TextConfig's default 256, not 5376 / 32
+    with pytest.raises(UnsupportedModelError, match=r"^missing head_dim: "):
+        build_spec(gemma, name="x")
+    llama["hidden_size"] = 4100  # not a multiple of 32 heads
+    with pytest.raises(UnsupportedModelError, match=r"^head_dim: got nothing, expected a head"):
+        build_spec(llama, name="x")
+
+
+def test_a_derived_layer_pattern_needs_every_field_it_derives_from() -> None:
+    text = {"model_type": "llama4_text", "num_hidden_layers": 4, "hidden_size": 64,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+            "attn_temperature_tuning": 4, "attention_chunk_size": 8192}  # fmt: skip
+    cfg = {"model_type": "llama4", "text_config": text}
+    with pytest.raises(UnsupportedModelError, match=r"^missing no_rope_layer_interval: "):
+        build_spec(cfg, name="x")  # Llama4TextConfig would derive the pattern from 4
+    text["no_rope_layer_interval"] = 4
     spec = build_spec(cfg, name="x")
     assert spec.kind_counts() == {"sliding": 3, "full": 1}
     assert spec.layers[0].window_tokens == 8191
-    assert any("attn_temperature_tuning" in n for n in spec.notes)
+    assert "layer_types" in spec.derived
+    # a field the class rejects and the sizing does not read is named in a note
+    assert any("attn_temperature_tuning" in n and "ignored" in n for n in spec.notes)
 
 
 def test_family_specific_bad_fields() -> None:

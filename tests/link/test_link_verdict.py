@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from pdx.errors import InputError
+from pdx.link.chunks import choose_chunk
 from pdx.link.verdict import VerdictRules, judge, kv_demand_from_report
 
 
@@ -140,3 +141,56 @@ def test_missing_kv_report_and_bad_qps(tmp_path: Path) -> None:
         kv_demand_from_report(tmp_path / "nope.json", qps=1.0)
     with pytest.raises(InputError, match="--qps"):
         kv_demand_from_report(tmp_path / "nope.json", qps=0)
+
+
+# A user's sweep on a 20 ms RTT, 0.2 % loss link: the best goodput (4 MiB) misses a 500 ms
+# budget's chunk limit (15 %: 75 ms) while 256 KiB and 1 MiB are within it.
+SWEEP = [
+    {"chunk_bytes": 256 << 10, "gbps": 0.110, "p99_ms": 47.8},
+    {"chunk_bytes": 1 << 20, "gbps": 0.340, "p99_ms": 56.8},
+    {"chunk_bytes": 2 << 20, "gbps": 0.534, "p99_ms": 90.5},
+    {"chunk_bytes": 4 << 20, "gbps": 0.631, "p99_ms": 122.7},
+    {"chunk_bytes": 8 << 20, "gbps": 0.450, "p99_ms": 317.9},
+]
+
+
+def test_the_chunk_rule_judges_every_size_and_the_recommended_size_passes() -> None:
+    rules = VerdictRules(ttft_budget_ms=500)
+    assert rules.chunk_p99_limit_ms == pytest.approx(75.0)
+    assert choose_chunk(SWEEP) == 4 << 20  # goodput alone: the size the user was given
+    chosen = choose_chunk(SWEEP, max_p99_ms=rules.chunk_p99_limit_ms)
+    assert chosen == 1 << 20  # the best goodput among the sizes that pass
+    rule = _rules(judge(_report(chunks=SWEEP, chunk_recommended_bytes=chosen), rules))["chunk_p99"]
+    assert rule.status == "pass" and rule.measured == 56.8
+    assert rule.margin == pytest.approx(75.0 - 56.8)
+    assert rule.sizes is not None
+    assert [s["status"] for s in rule.sizes] == ["pass", "pass", "fail", "fail", "fail"]
+    assert [s["recommended"] for s in rule.sizes] == [False, True, False, False, False]
+    assert rule.sizes[3]["margin"] == pytest.approx(75.0 - 122.7)
+    assert "pass: 256.0 KiB (47.8 ms), 1.0 MiB (56.8 ms); fail: 2.0 MiB" in rule.detail
+    assert "1.0 MiB chunk, the size to use" in rule.detail
+
+
+def test_the_chunk_rule_fails_only_when_no_size_passes_and_says_so() -> None:
+    rules = VerdictRules(ttft_budget_ms=200)  # 30 ms: nothing in the sweep
+    chosen = choose_chunk(SWEEP, max_p99_ms=rules.chunk_p99_limit_ms)
+    assert chosen is None
+    verdict = judge(_report(chunks=SWEEP, chunk_recommended_bytes=chosen), rules)
+    rule = _rules(verdict)["chunk_p99"]
+    assert rule.status == "fail" and verdict.result == "NO-GO"
+    assert rule.measured == 47.8  # the nearest size
+    assert rule.sizes is not None and {s["status"] for s in rule.sizes} == {"fail"}
+    assert not any(s["recommended"] for s in rule.sizes)
+    assert (
+        rule.detail.startswith("no swept chunk size's p99 is within")
+        and "pass: none" in rule.detail
+    )
+
+
+def test_a_report_rejudged_at_a_tighter_budget_is_judged_on_a_size_that_passes() -> None:
+    """pdx accept re-judges a saved report at its own budget: the probe's recommended 1 MiB
+    misses 52.5 ms, 256 KiB does not; the rule names the size to use instead."""
+    rule = _rules(judge(_report(chunks=SWEEP, chunk_recommended_bytes=1 << 20),
+                        VerdictRules(ttft_budget_ms=350)))["chunk_p99"]  # fmt: skip
+    assert rule.status == "pass" and rule.measured == 47.8
+    assert "the report recommended 1.0 MiB, which fails this budget" in rule.detail

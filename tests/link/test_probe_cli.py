@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -47,6 +48,10 @@ def _run(*args: str) -> tuple[int, str, str]:
         (["127.0.0.1:5301", "--chunk-sizes", "1GiB"], "--chunk-sizes"),
         (["127.0.0.1:5301", "--kv-direction", "sideways"], "--kv-direction"),
         (["127.0.0.1:5301", "--kv-report", "kv.json"], "--qps"),
+        # a rate or row without the report it applies to is refused, never silently dropped
+        (["127.0.0.1:5301", "--qps", "2"], "--qps"),
+        (["127.0.0.1:5301", "--kv-gbps", "0.3", "--qps", "2"], "--qps"),
+        (["127.0.0.1:5301", "--seq", "1024"], "--seq"),
         (["127.0.0.1:5301", "--kv-report", "/nonexistent/kv.json", "--qps", "1"], "--kv-report"),
         (["127.0.0.1:5301", "--chunk-transport", "pigeon"], "--chunk-transport"),
         (["localhost", "--duration", "1"], "target"),
@@ -58,6 +63,23 @@ def test_bad_input_is_one_line_naming_the_field(args: list[str], field: str) -> 
     assert code == 2
     assert out == ""
     assert err.count("\n") == 1 and err.startswith(f"error: {field}: got "), err
+
+
+def test_qps_without_a_kv_report_says_why() -> None:
+    code, _, err = _run("probe-link", "127.0.0.1:5301", "--qps", "2")
+    assert code == 2
+    assert err == (
+        "error: --qps: got 2.0, expected --kv-report with it: --qps turns a measure-kv report's "
+        "kv_bytes per request into a demand (without a report, give the demand as --kv-gbps)\n"
+    )
+
+
+def test_help_says_what_kv_direction_means() -> None:
+    wide = {"COLUMNS": "200", "TERMINAL_WIDTH": "200"}
+    result = CliRunner().invoke(app, ["probe-link", "--help"], env=wide)
+    text = " ".join(re.sub(r"[│╭╮╰╯─]", " ", result.output).split())
+    assert "up (this host sends it to the probe server's host), down (the server's host" in text
+    assert "the direction whose 1- vs N-stream goodput sets kv.streams" in text
 
 
 def test_unreachable_peer_is_a_clear_error_and_exit_2() -> None:

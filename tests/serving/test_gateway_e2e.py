@@ -187,6 +187,22 @@ async def test_bad_requests_get_400_with_a_message(
     assert set(err) == {"message", "type", "param", "code"}
 
 
+async def test_error_responses_are_counted_by_status(deployment: Deployment) -> None:
+    """A misbehaving client is visible on /metrics: 400, 404 and 405 each counted."""
+    gw = deployment.endpoints().gateway
+    before = {s: await metric(deployment, "pdx_gateway_http_errors_total", status=s)
+              for s in ("400", "404", "405")}  # fmt: skip
+    async with aiohttp.ClientSession() as s:
+        async with s.post(gw + "/v1/completions", data=b"{not json") as r:
+            assert r.status == 400
+        async with s.get(gw + "/v1/nothing-here") as r:
+            assert r.status == 404
+        async with s.get(gw + "/v1/completions") as r:
+            assert r.status == 405
+    for status, was in before.items():
+        assert await metric(deployment, "pdx_gateway_http_errors_total", status=status) == was + 1
+
+
 async def test_kv_link_cut_degrades_to_local_counted_and_correct(
     deployment: Deployment,
 ) -> None:
@@ -203,6 +219,7 @@ async def test_kv_link_cut_degrades_to_local_counted_and_correct(
     pdx = dis["pdx"]
     assert pdx["degraded"] is True and pdx["route"] == "local"
     assert pdx["degrade_reason"] == "RETRY_BUDGET_EXHAUSTED" and pdx["retries"] == 2
+    assert pdx["transfer_ms"] > 0  # the whole fetch: its three failed attempts took time
     assert dis["choices"][0]["token_ids"] == local["choices"][0]["token_ids"]
     after = await metric(deployment, "pdx_gateway_degradations_total",
                          reason="RETRY_BUDGET_EXHAUSTED")  # fmt: skip

@@ -166,6 +166,14 @@ def test_find_min_decode_instances_is_exact() -> None:
     assert tried[answer] and not tried[answer - 1]
 
 
+def test_find_min_that_finds_nothing_exits_1() -> None:
+    args = ["--find-min", "decode_instances", "--slo", "itl_p95_s=0.000001", "--range", "1:2"]
+    code, out, _ = run(*args, "--rate", "1", "--requests", "50", "--json")
+    assert code == 1
+    data = json.loads(out)
+    assert data["answer"] is None and not any(e["ok"] for e in data["evaluations"])
+
+
 def test_model_preset_fills_the_model_fields() -> None:
     pytest.importorskip("pdx.kv.source")
     code, out, _ = run("--model-preset", "llama-3.1-70b", "--requests", "20", "--json")

@@ -459,7 +459,8 @@ def _probe_lines(probe: dict[str, Any], s: dict[str, Any]) -> list[str]:
     ]
     if chunks:
         best = s["chunk_recommended_bytes"]
-        lines.append(f"- chunk sweep: {'; '.join(chunks)}; recommended {best} B")
+        chosen = f"recommended {best} B" if best else "no size passes the chunk rule"
+        lines.append(f"- chunk sweep: {'; '.join(chunks)}; {chosen}")
     rules = [
         f"{r['name']} {r['status']} ({_num(r['measured'])} vs {_num(r['threshold'])} {r['unit']})"
         for r in s["rules"]

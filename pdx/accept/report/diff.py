@@ -4,9 +4,21 @@ recommended setting, A's and B's figures and what changed, and each report's sma
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from pdx.accept.report.schema import RECOMMENDATION_NAMES, Report
+
+SIGNIFICANT_DIGITS = 12  # a difference is exact to this many digits of its operands
+
+
+def difference(a: float, b: float) -> float:
+    """``b - a`` without the float residue of the subtraction (0.996 - 0.995 is 0.001, not
+    0.000999...): rounded to :data:`SIGNIFICANT_DIGITS` digits of the larger operand."""
+    scale = max(abs(a), abs(b))
+    if scale == 0 or not math.isfinite(scale):
+        return b - a
+    return round(b - a, SIGNIFICANT_DIGITS - 1 - math.floor(math.log10(scale)))
 
 
 def diff_reports(a: Report, b: Report) -> list[dict[str, Any]]:
@@ -19,7 +31,7 @@ def diff_reports(a: Report, b: Report) -> list[dict[str, Any]]:
         ca, cb = left.get(k), right.get(k)
         change = None
         if ca and cb and ca.measured is not None and cb.measured is not None:
-            change = cb.measured - ca.measured
+            change = difference(ca.measured, cb.measured)
         status = (
             "only in A"
             if cb is None
@@ -51,7 +63,7 @@ def diff_reports(a: Report, b: Report) -> list[dict[str, Any]]:
                 "unit": ca.unit if ca else cb.unit if cb else "",
                 "a_margin": ca.margin if ca else None,
                 "b_margin": cb.margin if cb else None,
-                "margin_change": cb.margin - ca.margin
+                "margin_change": difference(ca.margin, cb.margin)
                 if ca and cb and ca.margin is not None and cb.margin is not None
                 else None,
             }

@@ -50,9 +50,21 @@ log = logging.getLogger("pdx.gateway")
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
+METRICS = web.AppKey("metrics", GatewayMetrics)
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error in OpenAI's shape: aiohttp's own (404, 405, 413), ours, and the unexpected."""
+    """Every error in OpenAI's shape: aiohttp's own (404, 405, 413), ours, and the unexpected;
+    each error status counted (``pdx_gateway_http_errors_total``), so a misbehaving client
+    shows on /metrics."""
+    response = await _answer(request, handler)
+    if response.status >= 400 and METRICS in request.app:
+        request.app[METRICS].http_errors.labels(str(response.status)).inc()
+    return response
+
+
+async def _answer(request: web.Request, handler: Handler) -> web.StreamResponse:
     try:
         return await handler(request)
     except HTTPProblem as exc:
@@ -143,6 +155,7 @@ class Gateway:
     def app(self) -> web.Application:
         """The aiohttp application."""
         app = web.Application(client_max_size=self.cfg.max_body_bytes, middlewares=[openai_errors])
+        app[METRICS] = self.metrics
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_get("/v1/models", self.models)

@@ -38,6 +38,12 @@ class GatewayMetrics:
         self.rejections = Counter(
             "pdx_gateway_rejections", "Requests refused before work", ["reason"], registry=r
         )
+        self.http_errors = Counter(
+            "pdx_gateway_http_errors",
+            "Responses with an error status (400, 404, 405, 413, 429, 5xx ...), by status",
+            ["status"],
+            registry=r,
+        )
         self.client_disconnects = Counter(
             "pdx_gateway_client_disconnects",
             "Streams whose client went away before the end (generation stopped)",

@@ -1,0 +1,116 @@
+"""probe-link across a packet-level WAN (root only): its advice agrees with its own figures.
+
+On a 20 ms RTT, 0.2 % loss namespace link one TCP stream stays well under the link's rate while
+four fill it; probe-link must recommend the streams its own 1- vs N-stream table shows are
+needed, and a chunk size that passes its own chunk rule when one does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pdx.faults import netns
+
+pytestmark = [
+    pytest.mark.system,
+    pytest.mark.slow,
+    pytest.mark.alone,
+    pytest.mark.skipif(
+        any(shutil.which(t) is None for t in ("ip", "tc")) or not os.path.exists("/dev/net/tun"),
+        reason="needs iproute2 and /dev/net/tun",
+    ),
+]
+
+PREFILL_ADDR = "10.77.1.1"  # the topology's own addresses (pdx.faults.netns)
+PDX = str(Path(sys.executable).with_name("pdx"))
+
+
+@pytest.fixture(scope="module")
+def lossy_link() -> Iterator[netns.NetnsConfig]:
+    """Prefill and decode sites 20 ms apart with 0.2 % loss per wire packet each way."""
+    cfg = netns.make_config(
+        prefix=f"pdxl{os.getpid() % 10000}", emulator="userspace", seed=1, delay_ms=10, loss=0.002
+    )
+    try:
+        netns.up(cfg)
+        yield cfg
+    finally:
+        netns.down(cfg)
+
+
+def _probe(cfg: netns.NetnsConfig, *args: str) -> dict[str, Any]:
+    """``pdx probe-link --json`` from decode to a probe server in prefill."""
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", cfg.prefill, PDX, "probe-server", "--bind", PREFILL_ADDR,
+         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        assert server.stdout is not None
+        line = server.stdout.readline()
+        found = re.search(r"tcp (\d+)", line)
+        assert found, line
+        out = subprocess.run(
+            ["ip", "netns", "exec", cfg.decode, PDX, "probe-link",
+             f"{PREFILL_ADDR}:{found.group(1)}", *args, "--json"],
+            capture_output=True, text=True, timeout=90, check=False,
+        )  # fmt: skip
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    assert out.returncode in (0, 1, 3), out.stderr
+    report: dict[str, Any] = json.loads(out.stdout)
+    return report
+
+
+def _fewest_streams(runs: list[dict[str, Any]], direction: str) -> int:
+    mine = sorted((r for r in runs if r["direction"] == direction), key=lambda r: r["streams"])
+    best = max(r["gbps"] for r in mine)
+    return next(r["streams"] for r in mine if r["gbps"] >= 0.95 * best)
+
+
+def test_probe_link_advice_agrees_with_its_own_measurements(lossy_link) -> None:
+    report = _probe(
+        lossy_link, "--duration", "2", "--omit", "0.5", "--max-duration", "2.5",
+        "--interval-ms", "5", "--phases", "latency,throughput,chunks",
+        "--chunk-sizes", "256KiB,1MiB,4MiB,8MiB", "--chunk-seconds", "0.5",
+        "--kv-gbps", "0.3", "--ttft-budget-ms", "500", "--kv-direction", "both",
+    )  # fmt: skip
+    assert report["rtt_ms"]["p50"] == pytest.approx(20, abs=2)
+    rec = report["recommendations"]
+    # streams: the fewest within 5 % of the best measured, in each direction (both carry KV)
+    runs = report["throughput"]["runs"]
+    need = max(_fewest_streams(runs, "up"), _fewest_streams(runs, "down"))
+    assert rec["set"]["kv.streams"] == need, rec["why"]
+    for direction in ("up", "down"):
+        for run in runs:
+            if run["direction"] == direction:
+                assert f"×{run['streams']} {run['gbps']:.3f} [" in rec["why"]
+    one = {r["direction"]: r["gbps"] for r in runs if r["streams"] == 1}
+    many = {r["direction"]: r["gbps"] for r in runs if r["streams"] == 4}
+    if any(one[d] < 0.95 * many[d] for d in one):  # the case the user hit: 1 stream falls short
+        assert rec["set"]["kv.streams"] == 4, rec["why"]
+    # chunks: the recommended size passes the verdict's own rule whenever one size does
+    limit = 0.15 * 500
+    passing = [c["chunk_bytes"] for c in report["chunks"] if c["p99_ms"] <= limit]
+    rule = next(r for r in report["verdict"]["rules"] if r["name"] == "chunk_p99")
+    assert [s["status"] == "pass" for s in rule["sizes"]] == [
+        c["p99_ms"] <= limit for c in report["chunks"]
+    ]
+    chosen = report["chunk_recommended_bytes"]
+    if passing:
+        assert chosen in passing and rule["status"] == "pass", rule["detail"]
+        assert rec["set"]["kv.chunk_size_kb"] == chosen // 1024
+        assert [s["chunk_bytes"] for s in rule["sizes"] if s["recommended"]] == [chosen]
+    else:
+        assert chosen is None and rule["status"] == "fail", rule["detail"]
+        assert "kv.chunk_size_kb" not in rec["set"]
