@@ -202,7 +202,7 @@ class DecodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeStatusReply(_message.Message):
-    __slots__ = ("healthy", "queue_depth", "running", "max_batch", "max_queue", "kv_budget_bytes", "kv_free_bytes", "model_version", "instance", "vocab_size", "max_context_tokens", "prefill_tflops")
+    __slots__ = ("healthy", "queue_depth", "running", "max_batch", "max_queue", "kv_budget_bytes", "kv_free_bytes", "model_version", "instance", "vocab_size", "max_context_tokens", "prefill_tflops", "kv_bytes_per_token")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -215,6 +215,7 @@ class DecodeStatusReply(_message.Message):
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TFLOPS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     queue_depth: int
     running: int
@@ -227,4 +228,5 @@ class DecodeStatusReply(_message.Message):
     vocab_size: int
     max_context_tokens: int
     prefill_tflops: float
-    def __init__(self, healthy: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., model_version: _Optional[str] = ..., instance: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., prefill_tflops: _Optional[float] = ...) -> None: ...
+    kv_bytes_per_token: float
+    def __init__(self, healthy: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., model_version: _Optional[str] = ..., instance: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., prefill_tflops: _Optional[float] = ..., kv_bytes_per_token: _Optional[float] = ...) -> None: ...

@@ -1,10 +1,13 @@
 """The decode service: fetches KV by kv_id, decodes with continuous batching, streams tokens.
 
 New sequences join the running batch at step boundaries and finished ones leave, so one
-model forward per step serves every active request. The resident KV is bounded by
-``kv_budget_bytes`` and admission by ``max_batch + max_queue``: a request beyond that is
-refused (RESOURCE_EXHAUSTED) rather than queued without bound. When the transfer fails past
-its retry budget (or the gateway asks for it) the service prefills locally and says why.
+model forward per step serves every active request. Admission is bounded by
+``max_batch + max_queue``: a request beyond that is refused (RESOURCE_EXHAUSTED) rather than
+queued without bound. The resident KV is bounded by ``kv_budget_bytes``: each request reserves
+the KV it will hold (prompt + max_tokens) before any of it exists and waits for room
+(:mod:`pdx.serving.admission`); one larger than the whole budget is refused
+(INVALID_ARGUMENT, naming both sizes). When the transfer fails past its retry budget (or the
+gateway asks for it) the service prefills locally and says why.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from google.protobuf.message import DecodeError
 
 from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.errors import PdxError, ServingError
+from pdx.serving.admission import KVReservations
 from pdx.serving.backends.base import KVState, ModelBackend
 from pdx.serving.backends.kvwire import StreamRebuild, decode_kv
 from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
@@ -109,6 +113,8 @@ class Sequence:
     release_due: bool = False  # fetched KV rebuilt here; the store may be told to delete it
     kv_released: bool = False  # a Release for the request's kv_id was sent (or is being sent)
     logprobs: list[serving_pb2.TokenLogprob | None] = field(default_factory=list)  # per token
+    kv_need_bytes: int = 0  # the KV it holds at its longest (prompt + max_tokens)
+    kv_reserved_bytes: int = 0  # reserved against the budget (given back when it ends)
 
     @property
     def prompt(self) -> list[int]:
@@ -127,6 +133,7 @@ class DecodeEngine:
         self.running: list[Sequence] = []
         self.joining: list[Sequence] = []
         self.admitted = 0  # accepted and not yet finished (waiting + running)
+        self.kv = KVReservations(cfg.kv_budget_bytes)
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -135,6 +142,19 @@ class DecodeEngine:
         """Bytes of KV held for running and joining sequences."""
         seqs = self.running + self.joining
         return sum(s.state.nbytes for s in seqs if s.state is not None)
+
+    def kv_need_bytes(self, prompt_tokens: int, max_tokens: int) -> int:
+        """The KV bytes a request holds at its longest (0 where the backend cannot say)."""
+        try:
+            return self.backend.kv_bytes_bound(prompt_tokens + max_tokens)[0]
+        except NotImplementedError:
+            return 0
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        """Bytes of KV per token over the model's whole context (exact for full attention)."""
+        ctx = max(1, self.backend.max_context_tokens)
+        return self.kv_need_bytes(ctx, 0) / ctx
 
     @property
     def capacity(self) -> int:
@@ -262,7 +282,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             max_batch=e.cfg.max_batch,
             max_queue=e.cfg.max_queue,
             kv_budget_bytes=e.cfg.kv_budget_bytes,
-            kv_free_bytes=max(0, e.cfg.kv_budget_bytes - e.resident_bytes),
+            kv_free_bytes=e.kv.free_bytes,
+            kv_bytes_per_token=e.kv_bytes_per_token,
             model_version=e.backend.model_version,
             instance=e.instance,
             vocab_size=e.backend.vocab_size,
@@ -282,7 +303,15 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         ) or sampling_problem(request.sampling, e.backend.vocab_size)
         if problem or request.sampling.max_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem or "max_tokens < 1")
-        seq = Sequence(request=request)
+        prompt, most = len(request.prompt_token_ids), request.sampling.max_tokens
+        need = e.kv_need_bytes(prompt, most)
+        if not e.kv.fits_ever(need):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"the request's KV needs {need} bytes (prompt {prompt} + max_tokens {most} "
+                f"tokens) and decode.kv_budget_bytes of {e.instance} is {e.cfg.kv_budget_bytes}",
+            )
+        seq = Sequence(request=request, kv_need_bytes=need)
         seq.stats.instance = e.instance
         e.admitted += 1
         try:
@@ -297,6 +326,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             seq.cancelled = not seq.finish_reason
             seq.state = None
             e.admitted -= 1
+            e.kv.give_back(seq.kv_reserved_bytes)
 
     async def _serve(self, seq: Sequence) -> AsyncIterator[serving_pb2.GenerateChunk]:
         req, arrived = seq.request, time.perf_counter()
@@ -307,6 +337,9 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         if seq.finish_reason and req.kv_id:  # max_tokens 1: prefill's token was all of it
             self._release_unused(seq)
         elif not seq.finish_reason:
+            # room in the KV budget first (prefill's first token, if any, is already out)
+            await self.engine.kv.take(seq.kv_need_bytes, while_waiting=lambda: self._renew(req))
+            seq.kv_reserved_bytes = seq.kv_need_bytes
             await self._obtain_kv(seq)
         seq.stats.queue_ms = (time.perf_counter() - arrived) * 1e3
         if not seq.finish_reason:
@@ -362,7 +395,6 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
 
     async def _fetch(self, seq: Sequence) -> None:
         req, st, e = seq.request, seq.stats, self.engine
-        await self._wait_for_memory(req)
         self.fetching += 1
         rebuild: list[StreamRebuild] = []  # the early rebuild of a streamed object
         started = time.perf_counter()
@@ -474,17 +506,11 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             kv_released=seq.kv_released,
         )
 
-    async def _wait_for_memory(self, req: serving_pb2.GenerateRequest) -> None:
-        """Hold the request (renewing its lease) while resident KV is over budget."""
-        e = self.engine
-        waited = 0.0
-        while e.resident_bytes >= e.cfg.kv_budget_bytes and e.running:
-            await asyncio.sleep(0.05)
-            waited += 0.05
-            if waited >= 5.0:
-                waited = 0.0
-                with contextlib.suppress(KVError):
-                    await self.kv.renew(req.kv_endpoint, req.kv_id)
+    async def _renew(self, req: serving_pb2.GenerateRequest) -> None:
+        """Keep a request's KV object leased while it waits for room in the budget."""
+        if req.kv_id:
+            with contextlib.suppress(KVError):
+                await self.kv.renew(req.kv_endpoint, req.kv_id)
 
     async def _local_prefill(self, seq: Sequence) -> None:
         e, prompt = self.engine, seq.prompt

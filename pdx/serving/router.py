@@ -1,19 +1,24 @@
 """Routing: which decode instance, which path (disaggregated or local), and when to refuse.
 
-Decode score (higher is better), for a healthy instance with room::
+Decode score (higher is better), for a healthy instance with room for this request::
 
-    score = kv_free_bytes / kv_budget_bytes  -  (queue_depth + in_flight) / (max_batch + max_queue)
+    score = (kv_free_bytes - need) / kv_budget_bytes
+            - (queue_depth + in_flight) / (max_batch + max_queue)
 
-An instance is a candidate only when healthy, not down (its process restarting, per the
-supervisor) and ``in_flight < max_batch + max_queue``; with no candidate the request is
-refused early (HTTP 429 + Retry-After when all are full, 503 + Retry-After when none is up),
-never queued without bound. A ``user``/session key sticks to the instance that served it
+where ``need`` is the KV the request reserves at decode: ``kv_bytes_per_token`` (from the
+instance's Status) × (prompt tokens + max_tokens). An instance is a candidate only when
+healthy, not down (its process restarting, per the supervisor), ``in_flight < max_batch +
+max_queue`` and ``need <= kv_free_bytes`` (it can take *this* request now); with no
+candidate the request is refused early (HTTP 429 + Retry-After when all are full, 503 +
+Retry-After when none is up; 400 when its KV exceeds every instance's whole budget), never
+queued without bound. A ``user``/session key sticks to the instance that served it
 while that instance is a candidate. Prompts shorter than ``local_prefill_max_tokens``
 prefill locally on decode; an open circuit breaker sends ``auto`` traffic local too.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
@@ -39,6 +44,7 @@ class DecodeInstance:
     max_queue: int = 0
     kv_budget_bytes: int = 1
     kv_free_bytes: int = 1
+    kv_bytes_per_token: float = 0.0  # what a request reserves per token (0: unknown)
     in_flight: int = 0
     down: bool = False  # its process is down, says the supervisor (restarting)
 
@@ -47,11 +53,18 @@ class DecodeInstance:
         """Requests it accepts at once."""
         return self.max_batch + self.max_queue
 
-    def score(self) -> float | None:
-        """The documented score, or None when it cannot take a request now."""
+    def kv_need_bytes(self, tokens: int) -> int:
+        """The KV a request of ``tokens`` (prompt + max_tokens) reserves here."""
+        return math.ceil(self.kv_bytes_per_token * tokens)
+
+    def score(self, tokens: int = 0) -> float | None:
+        """The documented score, or None when it cannot take this request now."""
         if not self.healthy or self.down or self.in_flight >= self.capacity:
             return None
-        free = self.kv_free_bytes / max(1, self.kv_budget_bytes)
+        need = self.kv_need_bytes(tokens)
+        if need > self.kv_free_bytes:
+            return None
+        free = (self.kv_free_bytes - need) / max(1, self.kv_budget_bytes)
         return free - (self.queue_depth + self.in_flight) / max(1, self.capacity)
 
 
@@ -154,14 +167,15 @@ class Router:
         self.breaker = CircuitBreaker(self.cfg)
         self.sticky: OrderedDict[str, str] = OrderedDict()
 
-    def pick_decode(self, user: str | None) -> DecodeInstance | None:
-        """Sticky instance if it can take the request, else the best score; None = reject."""
+    def pick_decode(self, user: str | None, tokens: int = 0) -> DecodeInstance | None:
+        """Sticky instance if it can take the request (``tokens``: prompt + max_tokens), else
+        the best score; None = reject."""
         if user and self.cfg.sticky and user in self.sticky:
             inst = next((d for d in self.decodes if d.name == self.sticky[user]), None)
-            if inst is not None and inst.score() is not None:
+            if inst is not None and inst.score(tokens) is not None:
                 self.sticky.move_to_end(user)
                 return inst
-        scored = [(s, d) for d in self.decodes if (s := d.score()) is not None]
+        scored = [(s, d) for d in self.decodes if (s := d.score(tokens)) is not None]
         if not scored:
             return None
         best = max(scored, key=lambda pair: pair[0])[1]
@@ -177,9 +191,21 @@ class Router:
         healthy = [p for p in self.prefills if p.healthy and not p.down]
         return min(healthy, key=lambda p: p.in_flight) if healthy else None
 
-    def decide(self, requested: str, prompt_tokens: int, user: str | None) -> Decision | None:
+    def too_large(self, tokens: int) -> tuple[int, int] | None:
+        """(need, largest budget) when a request of ``tokens`` fits no decode's whole KV
+        budget (waiting would not help); None when some instance could hold it."""
+        known = [d for d in self.decodes if d.kv_bytes_per_token > 0]
+        if not known:
+            return None
+        largest = max(known, key=lambda d: d.kv_budget_bytes)
+        need = largest.kv_need_bytes(tokens)
+        return (need, largest.kv_budget_bytes) if need > largest.kv_budget_bytes else None
+
+    def decide(
+        self, requested: str, prompt_tokens: int, user: str | None, max_tokens: int = 0
+    ) -> Decision | None:
         """Path and instances for one request; None when no decode capacity (early rejection)."""
-        decode = self.pick_decode(user)
+        decode = self.pick_decode(user, prompt_tokens + max_tokens)
         if decode is None:
             return None
         if requested == "local":

@@ -162,7 +162,10 @@ async def test_kv_from_other_weights_is_never_used(node: DecodeNode) -> None:
 async def test_fetch_waits_while_resident_kv_is_over_budget() -> None:
     from pdx.serving.prefill import PrefillNode
 
-    cfg = load_deploy_config(dotted=["decode.kv_budget_bytes=1", "kv.kv_transfer_timeout_ms=5000"])
+    # the first request's reservation (153 tokens) fits, the second's (33) does not beside it
+    per_token = create_backend(load_deploy_config().model).kv_bytes_bound(1)[0]
+    budget = f"decode.kv_budget_bytes={per_token * 160}"
+    cfg = load_deploy_config(dotted=[budget, "kv.kv_transfer_timeout_ms=5000"])
     prefill = await PrefillNode.start(cfg, NodeOptions())
     decode = await DecodeNode.start(cfg, NodeOptions())
     try:
@@ -191,6 +194,56 @@ async def test_fetch_waits_while_resident_kv_is_over_budget() -> None:
     finally:
         await decode.stop(0.5)
         await prefill.stop(0.5)
+
+
+async def test_a_long_prompt_waits_for_room_and_resident_kv_never_passes_the_budget() -> None:
+    """One request holds 90 % of the budget; a long one arrives and must not join beside it
+    (before admission reserved KV, it was prefilled at once: 140 % of the budget resident)."""
+    per_token = create_backend(load_deploy_config().model).kv_bytes_bound(1)[0]
+    budget = per_token * 100
+    node = await start(f"decode.kv_budget_bytes={budget}", "decode.max_batch=4")
+    engine = node.engine
+    assert engine is not None
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+            stub = serving_pb2_grpc.DecodeStub(ch)
+            first = asyncio.create_task(collect(stub, gen(list(range(1, 11)), 80)))  # 90 tokens
+            while not engine.running:
+                await asyncio.sleep(0.002)
+            st = await stub.Status(serving_pb2.DecodeStatusRequest(), timeout=5)
+            assert st.kv_free_bytes == budget - 90 * per_token
+            assert st.kv_bytes_per_token == per_token
+            long = list(range(20, 60))
+            second = asyncio.create_task(collect(stub, gen(long, 10)))  # 50 tokens: waits
+            peak = 0
+            while not second.done():
+                peak = max(peak, engine.resident_bytes)
+                if not first.done():
+                    assert len(engine.running) + len(engine.joining) <= 1
+                await asyncio.sleep(0.001)
+            await first
+            tokens, last = await second
+        assert peak <= budget
+        assert tokens == greedy_alone(long, 10) and last.stats.route == "local"
+        assert engine.kv.reserved_bytes == 0  # both given back
+    finally:
+        await node.stop(0.5)
+
+
+async def test_a_request_larger_than_the_whole_budget_is_refused_naming_both() -> None:
+    per_token = create_backend(load_deploy_config().model).kv_bytes_bound(1)[0]
+    node = await start(f"decode.kv_budget_bytes={per_token * 20}")
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{node.port}") as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await collect(serving_pb2_grpc.DecodeStub(ch), gen([1, 2, 3], 30))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert err.value.details() == (
+            f"the request's KV needs {33 * per_token} bytes (prompt 3 + max_tokens 30 tokens) "
+            f"and decode.kv_budget_bytes of decode-0 is {20 * per_token}"
+        )
+    finally:
+        await node.stop(0.5)
 
 
 async def test_fetched_object_is_released_once_rebuilt() -> None:

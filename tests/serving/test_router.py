@@ -47,6 +47,22 @@ def test_user_sticks_to_its_instance_while_it_has_room() -> None:
     assert r.pick_decode("alice") is a
 
 
+def test_a_request_goes_where_its_kv_fits_now() -> None:
+    """Candidacy and score count this request's reservation: 1 byte per token here."""
+    busy, roomy = decode("busy", free=10), decode("roomy", free=60)
+    busy.kv_bytes_per_token = roomy.kv_bytes_per_token = 1.0
+    r = router(busy, roomy)
+    assert busy.score(8) is not None and busy.score(11) is None  # 8 fit in 10, 11 do not
+    assert r.decide("local", 40, None, max_tokens=10).decode is roomy  # 50 only fit roomy
+    assert roomy.score(50) == (60 - 50) / 100
+    assert r.decide("local", 50, None, max_tokens=20) is None  # 70 fit nowhere now: 429
+    assert r.too_large(70) is None  # ... but fit a whole budget: waiting would help
+    assert r.too_large(101) == (101, 100)  # larger than every budget: refused outright
+    sticky = router(busy, roomy)
+    sticky.sticky["alice"] = "busy"
+    assert sticky.pick_decode("alice", 30) is roomy  # her instance cannot take this one
+
+
 def test_sticky_map_is_bounded() -> None:
     r = router(decode("a"), sticky_entries=3)
     for i in range(10):

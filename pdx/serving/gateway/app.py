@@ -214,6 +214,7 @@ class Gateway:
         d.healthy, d.queue_depth, d.running = st.healthy, st.queue_depth, st.running
         d.max_batch, d.max_queue = st.max_batch, st.max_queue
         d.kv_budget_bytes, d.kv_free_bytes = st.kv_budget_bytes, st.kv_free_bytes
+        d.kv_bytes_per_token = st.kv_bytes_per_token
         if st.vocab_size:
             self.vocab_size = st.vocab_size
         if st.prefill_tflops > 0 and self.threshold_for is not None:
@@ -340,8 +341,21 @@ class Gateway:
         rid = f"{'chatcmpl' if req.chat else 'cmpl'}-{secrets.token_hex(12)}"
         flows: list[Flow] = []
         self._note_restarts()
+        tokens = len(req.prompt_ids) + req.max_tokens
+        if (over := self.router.too_large(tokens)) is not None:
+            raise HTTPProblem(
+                400,
+                f"the request's KV needs {over[0]} bytes (prompt {len(req.prompt_ids)} + "
+                f"max_tokens {req.max_tokens} tokens): more than any decode instance's whole "
+                f"KV budget (decode.kv_budget_bytes, largest {over[1]}); lower max_tokens or "
+                "shorten the prompt",
+                "kv_budget_exceeded",
+                param="max_tokens",
+            )
         for index in range(req.n):
-            decision = self.router.decide(req.route, len(req.prompt_ids), req.user)
+            decision = self.router.decide(
+                req.route, len(req.prompt_ids), req.user, max_tokens=req.max_tokens
+            )
             if decision is None:
                 for flow in flows:
                     flow.release()
