@@ -82,7 +82,7 @@ class Pair:
 
     def prefill_pid(self) -> int | None:
         """The prefill instance's current pid (it changes when the deploy restarts it)."""
-        from pdx.accept.engine_faults import find_instance
+        from pdx.accept.target.engine_faults import find_instance
 
         return find_instance(self.proc.pid, int(self.endpoints["prefill"][0]["port"]))
 
@@ -309,7 +309,7 @@ def _references(spec: str) -> list[str]:
 def _goal(paired: dict[str, Any], p99: dict[str, Any]) -> dict[str, str]:
     """A front's overhead over two-step against the goals (median <= 1 ms, p99 <= 3 ms), each
     judged from its interval: MET, MISSED or UNDECIDED (the sample cannot tell)."""
-    from pdx.accept.confidence import goal_verdict
+    from pdx.accept.judge.confidence import goal_verdict
 
     return {"median": goal_verdict(paired["low"], paired["high"], FRONT_GOAL_MS),
             "p99": goal_verdict(p99["low"], p99["high"], FRONT_P99_GOAL_MS)}  # fmt: skip
@@ -319,7 +319,7 @@ def _p99_overhead(front: list[dict[str, Any]], base: list[dict[str, Any]]) -> di
     """Bounds on p99(front) − p99(two-step) from each side's distribution-free 95 % bounds on
     its p99 (front's low − base's high, front's high − base's low: together a 90 % interval
     or wider); a p99's upper bound needs 299 requests, so shorter runs leave ``high`` None."""
-    from pdx.accept import confidence as ci
+    from pdx.accept.judge import confidence as ci
 
     f = ci.quantile_bounds([r["ttft_s"] * 1e3 for r in front if r.get("ok")], 0.99, 0.95)
     b = ci.quantile_bounds([r["ttft_s"] * 1e3 for r in base if r.get("ok")], 0.99, 0.95)
@@ -332,7 +332,7 @@ def _paired(front: list[dict[str, Any]], base: list[dict[str, Any]]) -> dict[str
     """Median of the per-round TTFT differences (front − two-step, the same round: the box's
     drift hits both alike) with its distribution-free 90 % interval (order statistics of the
     differences: a sign-test interval), in ms."""
-    from pdx.accept import confidence as ci
+    from pdx.accept.judge import confidence as ci
 
     diffs = sorted(
         (f["ttft_s"] - b["ttft_s"]) * 1e3

@@ -1,8 +1,12 @@
-"""Acceptance for ``pdx accept``: playbook schema, orchestration, criteria, reports.
+"""Acceptance for ``pdx accept``: a playbook run as stages, each a sub-package.
 
-Public modules: ``playbook`` (the schema), ``run`` (one run of a playbook), ``repeat``
-(``--repeat``), ``report`` (report.json, Markdown, HTML, diff), ``show`` (reading a report
-back), ``traffic`` (the Locust user a run drives).
+``playbook`` (the schema every stage reads a section of) and ``run`` (one run: the stages in
+order), then the stages: ``target`` (the system under test and its link conditions),
+``preflight`` (the model's KV and the link, measured first), ``load`` (warm-up, Locust, what is
+read while it runs), ``judge`` (statistics, confidence, criteria, gates, link verdict, baseline,
+repeats), ``search`` (``--search``: the limit of one parameter), ``predict`` (the simulator
+beside the measurement, recommendations) and ``report`` (report.json, Markdown, HTML, plots,
+diff, the terminal view).
 """
 
-__all__ = ["playbook", "repeat", "report", "run", "show", "traffic"]
+__all__ = ["judge", "load", "playbook", "predict", "preflight", "report", "run", "search", "target"]

@@ -141,7 +141,7 @@ class Condition(BaseModel):
     kill_prefill_at_s: Annotated[float, Field(ge=0, allow_inf_nan=False)] | None = Field(
         default=None,
         description="SIGKILL prefill instance kill_prefill_index (its process group) this long "
-        "into the step; the deploy restarts it (see pdx/accept/engine_faults.py)",
+        "into the step; the deploy restarts it (see pdx/accept/target/engine_faults.py)",
     )
     kill_prefill_index: Annotated[int, Field(ge=0)] = 0
     idle_s: Annotated[float, Field(ge=0, le=3600, allow_inf_nan=False)] = Field(
@@ -317,7 +317,8 @@ class Load(BaseModel):
 
     model_config = _Strict
     locustfile: str | None = Field(
-        default=None, description="default: the one pdx ships (pdx/accept/traffic/locustfile.py)"
+        default=None,
+        description="default: the one pdx ships (pdx/accept/load/traffic/locustfile.py)",
     )
     workers: Annotated[int, Field(ge=0, le=32)] = Field(
         default=0, description="Locust worker processes (0 = one local process)"

@@ -9,8 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import os
-import platform
+import functools
 import signal
 import time
 from collections.abc import Callable
@@ -18,29 +17,30 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pdx import __version__
-from pdx.accept import criteria as judge
-from pdx.accept import remedies
-from pdx.accept.gates import GateContext, StepGates
-from pdx.accept.link import ProxyLink, counters_delta, proxy_acts
-from pdx.accept.link_judge import judge_link, judge_link_per_step
-from pdx.accept.loadgen import LocustRun, read_locust_stats, resolve_locustfile, step_args
-from pdx.accept.metrics import Snapshot, delta, scrape
-from pdx.accept.netns_target import Topology
-from pdx.accept.playbook import Playbook, Step, expand_steps, playbook_dict, step_criteria
-from pdx.accept.report import Report, StepReport, write_report
-from pdx.accept.resources import TreeSampler
-from pdx.accept.stats import (
+from pdx.accept.judge import criteria as judge
+from pdx.accept.judge.gates import GateContext, StepGates
+from pdx.accept.judge.link import judge_link, judge_link_per_step
+from pdx.accept.judge.stats import (
     FORMULAS,
     METRIC_NAMES,
     derive_rates,
     read_records,
     recovery_s,
     samples,
+    span_s,
     summarize,
     timeline,
 )
-from pdx.accept.target import DeployProcess, check_reachable
+from pdx.accept.load.locust import LocustRun, read_locust_stats, resolve_locustfile, step_args
+from pdx.accept.load.metrics import Snapshot, delta, scrape
+from pdx.accept.load.resources import TreeSampler
+from pdx.accept.playbook import Playbook, Step, expand_steps, playbook_dict, step_criteria
+from pdx.accept.predict import remedies
+from pdx.accept.report import Report, StepReport, write_report
+from pdx.accept.report.write import environment
+from pdx.accept.target.netns import Topology
+from pdx.accept.target.process import DeployProcess, check_reachable
+from pdx.accept.target.proxy import ProxyLink, counters_delta, proxy_acts
 from pdx.errors import MeasurementError, PdxError
 
 ProgressFn = Callable[[int, Step, float], None]
@@ -113,7 +113,7 @@ class AcceptRun:
         self.baseline_rows: list[dict[str, Any]] = []
         self.searches: list[dict[str, Any]] = []  # pdx accept --search fills it
         if pb.baseline == "colocated":
-            from pdx.accept.baseline import add_twins
+            from pdx.accept.judge.baseline import add_twins
 
             add_twins(self)
 
@@ -125,7 +125,7 @@ class AcceptRun:
     async def execute(self) -> Report:
         """Run every step; always stop what was started and write the report (partial if cut)."""
         self.raw_dir.mkdir(parents=True, exist_ok=True)
-        locustfile = resolve_locustfile(self.pb, self.playbook_dir)
+        locustfile = resolve_locustfile(self.pb.load, self.playbook_dir)
         complete = False
         self._stop_on_sigterm()
         try:
@@ -136,12 +136,13 @@ class AcceptRun:
             await self._preflight()
             self.gates = self._gate_context()
             if self.pb.load.warmup_requests and self.steps:
-                from pdx.accept.warmup import warm_up
+                from pdx.accept.load.warmup import warm_up
 
                 self.stage(f"warm-up: {self.pb.load.warmup_requests} requests")
                 self.target_info["warmup"] = await warm_up(
-                    self.pb, self.url, self.steps[0], self.pb.load.warmup_requests
-                )
+                    self.url, self.steps[0], self.pb.load.warmup_requests,
+                    load=self.pb.load, target=self.pb.target, seed=self.pb.seed,
+                )  # fmt: skip
             await self._run_steps(locustfile)
             complete = True
         except asyncio.CancelledError:
@@ -158,7 +159,7 @@ class AcceptRun:
     async def _run_steps(self, locustfile: Path) -> None:
         """The matrix, step after step (a search runs its probes instead)."""
         if self.pb.baseline == "colocated":
-            from pdx.accept.baseline import run_with_twins
+            from pdx.accept.judge.baseline import run_with_twins
 
             await run_with_twins(self, locustfile)
             return
@@ -192,7 +193,7 @@ class AcceptRun:
 
     async def _start_pair(self, topology: Topology | None) -> None:
         """``pdx deploy`` (in the topology's sites when there is one), ready to be loaded."""
-        from pdx.accept.deploy_target import start_deploy
+        from pdx.accept.target.deploy import start_deploy
 
         t = self._with_audit(self.pb.target)
 
@@ -225,10 +226,10 @@ class AcceptRun:
     def _audit_dirs(self) -> list[Path]:
         if self.pb.target.deploy is None:  # a deployment pdx did not start: what was given
             return [self.playbook_dir / d for d in self.pb.target.records_dirs]
-        from pdx.accept.preflight import deploy_config
+        from pdx.accept.preflight.kv import deploy_config
 
         pb = self.pb.model_copy(update={"target": self._with_audit(self.pb.target)})
-        cfg = deploy_config(pb, self.playbook_dir)
+        cfg = deploy_config(pb.target, self.playbook_dir)
         # With engine: vllm there is no pdx KV store (no audit log), but decode's KV-load
         # failure records (the silent-fallback gate's) are written there.
         configured = cfg.kv
@@ -239,7 +240,7 @@ class AcceptRun:
         the largest request's KV at the probed RTT and goodput (pdx.transfer.path)."""
         if fixed_ms is not None:
             return fixed_ms / 1e3
-        from pdx.accept.preflight import kv_bytes_per_request
+        from pdx.accept.preflight.kv import kv_bytes_per_request
         from pdx.transfer.path import ASSUMED_GOODPUT_BPS, derived_deadline_ms
 
         kv = kv_bytes_per_request((self.preflight or {}).get("_kv"))
@@ -255,9 +256,9 @@ class AcceptRun:
         deadline, bound = pb.judgement.request_deadline_s, None
         metrics_url: str | None = None
         if pb.target.deploy is not None:
-            from pdx.accept.preflight import deploy_config
+            from pdx.accept.preflight.kv import deploy_config
 
-            cfg = deploy_config(pb, self.playbook_dir)
+            cfg = deploy_config(pb.target, self.playbook_dir)
             deadline = deadline or cfg.gateway.request_timeout_s
             if cfg.engine == "pdx":
                 bound = self._transfer_deadline_s(cfg.kv.kv_transfer_timeout_ms, summary)
@@ -293,7 +294,7 @@ class AcceptRun:
         return proxy_acts(self.pb.conditions[step.network], kernel_shaping=kernel)
 
     async def _start_topology(self) -> Topology:
-        from pdx.accept.netns_target import check_available
+        from pdx.accept.target.netns import check_available
 
         check_available()
         self.topology = Topology(self.pb.target.netns)
@@ -306,7 +307,7 @@ class AcceptRun:
         pf = self.pb.preflight
         if not (pf.measure_kv or pf.probe_link):
             return
-        from pdx.accept.preflight import measure_kv
+        from pdx.accept.preflight.kv import measure_kv
 
         self.preflight = {}
         # measure-kv sizes requests even when only the probe was asked for: it gives the demand
@@ -314,11 +315,13 @@ class AcceptRun:
         if pf.measure_kv:
             self.preflight["measure_kv"] = kv
         if pf.probe_link:
-            from pdx.accept.probe import run_probe
+            from pdx.accept.preflight.probe import probe_args, run_probe
 
             host = self.topology.prefill_addr if self.topology else self._kv_host()
             ns = (self.topology.prefill_ns, self.topology.decode_ns) if self.topology else None
-            self.preflight["probe_link"] = await run_probe(self.pb, host, ns)
+            self.preflight["probe_link"] = await run_probe(
+                host, ns, functools.partial(probe_args, self.pb.preflight)
+            )
             self.preflight["_kv"] = kv  # for the demand at the achieved load; dropped at write
 
     def _planned_rps(self) -> float:
@@ -405,7 +408,7 @@ class AcceptRun:
         after = await scrape(metrics_url)
         proxy_after = await self.link.stats() if self.link else None
         if self.topology is not None and kernel is not None and router_before is not None:
-            from pdx.accept.netns_target import counters_delta as router_delta
+            from pdx.accept.target.netns import counters_delta as router_delta
 
             kernel["router_counters"] = router_delta(router_before, await self.topology.counters())
             kernel["tcp"] = await self.topology.tcp_between_sites(tcp_readings)  # TCP's own RTT
@@ -446,19 +449,19 @@ class AcceptRun:
         pf = self.pb.preflight
         if not (pf.probe_each_step and pf.probe_link):
             return None
-        from pdx.accept.probe import run_probe, step_probe_args, summary
+        from pdx.accept.preflight.probe import run_probe, step_probe_args, summary
 
         host = self.topology.prefill_addr if self.topology else self._kv_host()
         ns = (self.topology.prefill_ns, self.topology.decode_ns) if self.topology else None
         streams = self._deploy_facts().kv_streams if self.pb.target.deploy else pf.probe_streams
         probe = await run_probe(
-            self.pb, host, ns, lambda where: step_probe_args(self.pb, where, streams)
+            host, ns, lambda where: step_probe_args(self.pb.preflight, where, streams)
         )
         probe["summary"] = summary(probe)
         return probe
 
     def _deploy_facts(self) -> Any:
-        from pdx.accept.prediction import deploy_facts
+        from pdx.accept.predict.prediction import deploy_facts
 
         return deploy_facts(self.pb, self.playbook_dir)
 
@@ -475,7 +478,7 @@ class AcceptRun:
         """The step's prefill kill (kill_prefill_at_s), as a task, when it has one."""
         if cond.kill_prefill_at_s is None or self.deploy is None or self.deploy.pid is None:
             return None
-        from pdx.accept.engine_faults import kill_prefill
+        from pdx.accept.target.engine_faults import kill_prefill
 
         endpoints = self.raw_dir / "deploy-endpoints.json"
         return asyncio.create_task(
@@ -487,7 +490,7 @@ class AcceptRun:
         """The step's gate facts: silent fallback, replay, stranded KV, overdue, idle burst."""
         if self.gates is None:
             return None
-        from pdx.accept.gates import collect
+        from pdx.accept.judge.gates import collect
 
         idle_s = self.pb.conditions[step.network].idle_s
         return await collect(self.gates, read_records(step_dir), t0, idle_s, step.index)
@@ -526,7 +529,7 @@ class AcceptRun:
     ) -> StepOutcome:
         before, after = scrapes
         rows = read_records(step_dir)
-        elapsed = _span_s(rows)
+        elapsed = span_s(rows)
         summary = summarize(rows, elapsed)
         if gate is not None:
             summary.update(gate.facts)
@@ -579,7 +582,7 @@ class AcceptRun:
     # --- report ------------------------------------------------------------------------------
 
     def _write(self, complete: bool) -> Report:
-        from pdx.accept.plots import make_plots
+        from pdx.accept.report.plots import make_plots
 
         try:
             judge_link(self)
@@ -629,7 +632,7 @@ class AcceptRun:
             confidence=self.pb.judgement.confidence,
             preflight=self.preflight,
             playbook=playbook_dict(self.pb),
-            environment=_environment(),
+            environment=environment(),
             plots=sorted(images),
             problems=self.problems,
             **self._report_extra(criteria),
@@ -641,13 +644,13 @@ class AcceptRun:
         self, valid: bool, criteria: list[judge.CriterionResult]
     ) -> tuple[Literal["GO", "NO-GO", "INCONCLUSIVE"], int]:
         """The run's verdict and exit code (a search's come from its limits instead)."""
-        verdict = run_verdict(valid, criteria)
-        return verdict, EXIT_CODES[verdict]
+        verdict = judge.run_verdict(valid, criteria)
+        return verdict, judge.EXIT_CODES[verdict]
 
     def _report_extra(self, criteria: list[judge.CriterionResult]) -> dict[str, Any]:
         """Report fields beyond a plain run's: the loose thresholds (a search adds its own)."""
-        from pdx.accept.baseline import summary as baseline_summary
-        from pdx.accept.criteria import loose_criteria
+        from pdx.accept.judge.baseline import summary as baseline_summary
+        from pdx.accept.judge.criteria import loose_criteria
 
         extra: dict[str, Any] = {
             "not_a_constraint": loose_criteria(criteria),
@@ -665,7 +668,7 @@ class AcceptRun:
             why = "prediction.enabled is off (the recommendations come from the simulator)"
             return no_recommendations(why), None
         try:
-            from pdx.accept.forecast import predict_run
+            from pdx.accept.predict.forecast import predict_run
 
             steps = [(o.step, o.report, o.records) for o in self.outcomes]
             pre = {**(self.preflight or {}), "_kv": self.kv_measured}
@@ -673,40 +676,3 @@ class AcceptRun:
         except Exception as exc:  # the prediction must never cost the reviewer the report
             self.problems.append(f"prediction failed: {type(exc).__name__}: {exc}")
             return no_recommendations(f"prediction failed: {exc}"), None
-
-
-EXIT_CODES = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
-
-
-def run_verdict(
-    valid: bool, criteria: list[judge.CriterionResult]
-) -> Literal["GO", "NO-GO", "INCONCLUSIVE"]:
-    """Any failed criterion or an invalid run → NO-GO; else any undecided or unmeasured one →
-    INCONCLUSIVE; GO needs at least one judged criterion. Advisory criteria never decide."""
-    deciding = [c for c in criteria if not c.advisory]
-    if not valid or any(c.result == "fail" for c in deciding):
-        return "NO-GO"
-    if not deciding or any(c.result in ("indeterminate", "not_measured") for c in deciding):
-        return "INCONCLUSIVE"
-    return "GO"
-
-
-def _span_s(rows: list[dict[str, Any]]) -> float:
-    """First intended send to last stream end, in seconds."""
-    if not rows:
-        return 0.0
-    start = min(r["t_intended_s"] for r in rows)
-    end = max(
-        r["t_intended_s"] + (r.get("e2e_ms") or r.get("elapsed_ms") or r.get("queue_ms") or 0) / 1e3
-        for r in rows
-    )
-    return max(0.0, end - start)
-
-
-def _environment() -> dict[str, Any]:
-    return {
-        "pdx_version": __version__,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpus": os.cpu_count(),
-    }

@@ -102,8 +102,8 @@ def _search(pb: Any, playbook: Path, out: Path, *, as_json: bool, no_progress: b
     """``--search PARAM``: probes until the bracket is narrow; the report holds every one."""
     import asyncio
 
-    from pdx.accept.search import limit_text
-    from pdx.accept.search_run import SearchRun
+    from pdx.accept.search.limit import limit_text
+    from pdx.accept.search.run import SearchRun
 
     def on_probe(p: Any, ctx: dict[str, Any]) -> None:
         if no_progress:
@@ -174,7 +174,7 @@ def _repeat(
     pb: Any, playbook: Path, out: Path, times: int, *, as_json: bool, no_progress: bool
 ) -> None:
     """``--repeat N``: N full runs under one directory, then their agreement."""
-    from pdx.accept.repeat import render_repeat, summarize_runs, write_summary
+    from pdx.accept.judge.repeat import render_repeat, summarize_runs, write_summary
     from pdx.accept.run import report_dir_for
 
     root = report_dir_for(out, f"{pb.name}-repeat")
@@ -249,7 +249,7 @@ class _Progress:
 
 
 def _render_summary(console: Any, report: Any, directory: Path) -> None:
-    from pdx.accept.show import render_report
+    from pdx.accept.report.show import render_report
 
     render_report(console, report)
     console.print(f"report: {directory}/report.html")
@@ -258,7 +258,7 @@ def _render_summary(console: Any, report: Any, directory: Path) -> None:
 def show(directory: Path = typer.Argument(..., help="a report directory")) -> None:
     """Summarise a report in the terminal: verdict, criteria, steps."""
     from pdx.accept.report import load_report
-    from pdx.accept.show import render_report
+    from pdx.accept.report.show import render_report
 
     report = load_report(directory)
     emit(report, as_json=False, render=render_report)
@@ -279,7 +279,7 @@ def diff(
         load_report,
         smallest_margin,
     )
-    from pdx.accept.show import render_diff
+    from pdx.accept.report.show import render_diff
 
     ra, rb = load_report(a), load_report(b)
     data = {

@@ -13,11 +13,10 @@ from collections.abc import Callable
 
 import pytest
 
-from pdx.accept import confidence as ci
-from pdx.accept.criteria import CriterionResult, judge_step
+from pdx.accept.judge import confidence as ci
+from pdx.accept.judge.criteria import EXIT_CODES, CriterionResult, judge_step, run_verdict
 from pdx.accept.playbook import Criteria, Step
-from pdx.accept.remedies import undecided_steps
-from pdx.accept.run import EXIT_CODES, run_verdict
+from pdx.accept.predict.remedies import undecided_steps
 
 C = 0.95
 STEP = Step(0, 48, 8, 2, None, "normal", 15.0)

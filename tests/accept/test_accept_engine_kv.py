@@ -8,8 +8,8 @@ from typing import Any
 
 from aiohttp import web
 
-from pdx.accept import criteria as judge
-from pdx.accept.engine_kv import held_facts, last_request_end, watch_prefill_kv
+from pdx.accept.judge import criteria as judge
+from pdx.accept.judge.engine_kv import held_facts, last_request_end, watch_prefill_kv
 from pdx.accept.playbook import Criteria
 
 

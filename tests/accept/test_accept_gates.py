@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 import yaml
 
-from pdx.accept.criteria import CriterionResult
-from pdx.accept.gates import (
+from pdx.accept.judge.criteria import CriterionResult
+from pdx.accept.judge.gates import (
     engine_silent_fallback,
     held_objects,
     idle_burst,
@@ -30,7 +30,7 @@ from pdx.accept.gates import (
     silent_fallback,
     stranded,
 )
-from pdx.accept.repeat import summarize_runs
+from pdx.accept.judge.repeat import summarize_runs
 from pdx.accept.report import Report
 
 ROOT = Path(__file__).resolve().parents[2]

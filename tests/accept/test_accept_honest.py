@@ -15,12 +15,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from pdx.accept import confidence as ci
-from pdx.accept.criteria import CriterionResult, judge_link, judge_step
+from pdx.accept.judge import confidence as ci
+from pdx.accept.judge.criteria import CriterionResult, judge_link, judge_step, run_verdict
+from pdx.accept.judge.repeat import summarize_runs
 from pdx.accept.playbook import Criteria, Step
-from pdx.accept.repeat import summarize_runs
 from pdx.accept.report import Report
-from pdx.accept.run import run_verdict
 from pdx.cli.main import app
 
 C = 0.95

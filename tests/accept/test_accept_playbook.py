@@ -8,8 +8,6 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from pdx.accept.link import condition_toxics, counters, proxy_acts
-from pdx.accept.netns_target import Topology
 from pdx.accept.playbook import (
     Condition,
     NetnsTarget,
@@ -17,6 +15,8 @@ from pdx.accept.playbook import (
     load_playbook,
     step_criteria,
 )
+from pdx.accept.target.netns import Topology
+from pdx.accept.target.proxy import condition_toxics, counters, proxy_acts
 from pdx.cli.main import app
 from pdx.errors import ConfigError
 from pdx.faults.toxics import parse_toxic

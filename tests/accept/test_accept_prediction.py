@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from typer.testing import CliRunner
 
-from pdx.accept import advice
-from pdx.accept.criteria import CriterionResult
+from pdx.accept.judge.criteria import CriterionResult
 from pdx.accept.playbook import expand_steps, load_playbook
-from pdx.accept.prediction import compare, judge, sim_fields, simulate_step, step_workload
+from pdx.accept.predict import advice
+from pdx.accept.predict.prediction import compare, judge, sim_fields, simulate_step, step_workload
 from pdx.accept.report import (
     SCHEMA_VERSION,
     Recommendation,

@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
-from pdx.accept import netns_target
 from pdx.accept.playbook import load_playbook
-from pdx.accept.preflight import kv_bytes_per_request, measure_kv
-from pdx.accept.probe import judge_demand, run_probe, summary
+from pdx.accept.preflight.kv import kv_bytes_per_request, measure_kv
+from pdx.accept.preflight.probe import judge_demand, probe_args, run_probe, summary
 from pdx.accept.report import preflight_lines
+from pdx.accept.target import netns as netns_target
 from pdx.cli.main import app
 from pdx.errors import ConfigError
 
@@ -52,7 +53,7 @@ async def test_probe_link_to_a_real_server_judged_against_demand() -> None:
         dotted=["preflight.probe_duration_s=0.3", "preflight.probe_chunk_seconds=0.2",
                 "preflight.probe_chunk_sizes=256KiB", "preflight.probe_streams=1"],
     )  # fmt: skip
-    probe = await run_probe(pb, "127.0.0.1", None)
+    probe = await run_probe("127.0.0.1", None, functools.partial(probe_args, pb.preflight))
     assert "error" not in probe, probe
     assert probe["server"].startswith("127.0.0.1:") and "--secret" not in probe["command"]
     report = probe["report"]
@@ -76,7 +77,8 @@ async def test_probe_link_to_a_real_server_judged_against_demand() -> None:
 
 async def test_probe_link_failure_is_reported_not_raised() -> None:
     pb = load_playbook(SMOKE, dotted=["preflight.probe_duration_s=0.2"])
-    probe = await run_probe(pb, "127.0.0.256", None)  # not an address: the server cannot bind
+    # not an address: the server cannot bind
+    probe = await run_probe("127.0.0.256", None, functools.partial(probe_args, pb.preflight))
     assert probe["error"].startswith("probe-link could not run: probe server failed to start")
 
 

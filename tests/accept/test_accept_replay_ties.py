@@ -17,7 +17,7 @@ import pytest
 from aiohttp import web
 from local_app import serving
 
-from pdx.accept.gates import replay
+from pdx.accept.judge.gates import replay
 
 SHIPPED = [5, 6, 7, 8]
 # prompt id -> (the replay's tokens, {position: {alternative: logprob}}); the replay's chosen

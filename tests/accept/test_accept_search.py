@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pdx.accept.playbook import load_playbook
-from pdx.accept.search import Axis, Bracket, limit_text, probe_verdict, result
+from pdx.accept.search.limit import Axis, Bracket, limit_text, probe_verdict, result
 from pdx.cli.main import app
 from pdx.errors import ConfigError
 
@@ -123,7 +123,7 @@ def test_cli_refuses_a_bad_range_before_deploying(tmp_path: Path) -> None:
 
 
 def _crit(name: str, measured: float, threshold: float, hi: float | None = None) -> Any:
-    from pdx.accept.criteria import CriterionResult
+    from pdx.accept.judge.criteria import CriterionResult
 
     interval = (None, hi) if hi is not None else None
     return CriterionResult(name=name, step="s00", measured=measured, threshold=threshold,
@@ -131,7 +131,7 @@ def _crit(name: str, measured: float, threshold: float, hi: float | None = None)
 
 
 def test_loose_thresholds_are_flagged_only_when_loose_on_every_step() -> None:
-    from pdx.accept.criteria import loose_criteria
+    from pdx.accept.judge.criteria import loose_criteria
 
     rows = [
         _crit("tpot_p99_ms", 12.0, 2000.0, hi=15.0),
@@ -148,7 +148,7 @@ def test_loose_thresholds_are_flagged_only_when_loose_on_every_step() -> None:
 
 
 def test_the_split_pays_costs_or_shows_no_difference() -> None:
-    from pdx.accept.baseline import compare
+    from pdx.accept.judge.baseline import compare
     from pdx.accept.playbook import Step
 
     def side(p50: float, lo: float, hi: float, good: float) -> dict[str, Any]:
@@ -208,7 +208,7 @@ class _Linear:
 def test_the_predicted_limit_in_past_and_below_the_range(
     limit: float, predicted: float | None, extrapolated: float | None, below: bool
 ) -> None:
-    from pdx.accept.search_predict import predict
+    from pdx.accept.search.predict import predict
 
     r = predict(_Linear(limit))  # type: ignore[arg-type]
     if predicted is None:

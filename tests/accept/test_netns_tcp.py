@@ -1,12 +1,12 @@
 """Which connection between the sites is the KV's, and its RTT over a step, from ``ss`` readings
-(:func:`pdx.accept.netns_target.busiest_during`): readings shaped as ``tcp_connections`` parses
+(:func:`pdx.accept.target.netns.busiest_during`): readings shaped as ``tcp_connections`` parses
 them; the real ones are taken by the netns and vLLM cross-site tests."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from pdx.accept.netns_target import busiest_during
+from pdx.accept.target.netns import busiest_during
 
 OLD = ("10.77.1.1:4000", "10.77.2.1:5000")  # busy before the step, idle during it
 KV = ("10.77.1.1:4001", "10.77.2.1:5001")

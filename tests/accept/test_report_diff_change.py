@@ -6,7 +6,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pdx.accept.report.diff import difference
-from pdx.accept.show import shown_change
+from pdx.accept.report.show import shown_change
 
 
 def test_the_change_is_what_the_shown_figures_say() -> None:

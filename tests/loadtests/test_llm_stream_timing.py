@@ -10,7 +10,7 @@ import requests
 from hypothesis import given
 from hypothesis import strategies as st
 
-from pdx.accept.traffic.llm_stream import (
+from pdx.accept.load.traffic.llm_stream import (
     LengthSpec,
     PromptSource,
     RequestRecord,

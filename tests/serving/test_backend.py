@@ -197,7 +197,7 @@ def test_tiny_presets_import_without_torch() -> None:
     code = (
         "import sys\n"
         "from pdx.serving.backends.presets import TINY_PRESETS, tiny_config_json\n"
-        "import pdx.accept.preflight\n"
+        "import pdx.accept.preflight.kv\n"
         "assert tiny_config_json('tiny-llama')['num_key_value_heads'] == 2\n"
         "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules)\n"
         "print(','.join(heavy) or 'none')\n"

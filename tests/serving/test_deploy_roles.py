@@ -116,8 +116,8 @@ def _tcp_rtts_ms(ns: str, dst: str) -> list[float]:
 @pytest.mark.skipif(shutil.which("ip") is None or shutil.which("ss") is None,
                     reason="needs ip and ss (iproute2)")  # fmt: skip
 def test_each_role_on_its_own_host_across_the_wan_then_accept_is_go(tmp_path: Path) -> None:
-    from pdx.accept.netns_target import Topology
     from pdx.accept.playbook import Condition, NetnsTarget
+    from pdx.accept.target.netns import Topology
     from pdx.tls import init_certs
 
     topo = Topology(NetnsTarget(enabled=True, prefix=PREFIX))

@@ -18,10 +18,10 @@ import aiohttp
 import pytest
 from vllm_helpers import engine_gateway, side_channel_cut, unique_prompt, vllm_deployment
 
-from pdx.accept.criteria import judge_step
-from pdx.accept.gates import engine_silent_fallback
+from pdx.accept.judge.criteria import judge_step
+from pdx.accept.judge.gates import engine_silent_fallback
+from pdx.accept.judge.stats import derive_rates
 from pdx.accept.playbook import Criteria, Step
-from pdx.accept.stats import derive_rates
 from pdx.serving.supervisor import Deployment
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(600)]

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdx.accept.criteria import CriterionResult
-from pdx.accept.netns_target import MIN_RTT_WINDOW_S
+from pdx.accept.judge.criteria import CriterionResult
 from pdx.accept.report.schema import Report, StepReport
+from pdx.accept.target.netns import MIN_RTT_WINDOW_S
 
 
 def target_line(report: Report) -> str:
@@ -202,7 +202,7 @@ def prediction_line(report: Report) -> str:
 
 def unexplained_lines(report: Report) -> list[str]:
     """Per unexplained step, the figures beyond the prediction."""
-    from pdx.accept.prediction import explain
+    from pdx.accept.predict.prediction import explain
 
     tol = float((report.prediction_summary or {}).get("error_max_pct", 25))
     out = []
@@ -223,7 +223,7 @@ def recommendation_rows(report: Report) -> list[list[str]]:
 def headline(report: Report) -> str:
     state = "" if report.complete else " (INCOMPLETE: interrupted or failed before the end)"
     if report.search:
-        from pdx.accept.search import limit_text
+        from pdx.accept.search.limit import limit_text
 
         return f"{report.verdict}{state} — " + "; ".join(limit_text(s) for s in report.search)
     deciding = [c for c in report.criteria if not c.advisory]
@@ -492,7 +492,7 @@ def _with_interval(d: dict[str, Any], unit: str = " ms") -> str:
 
 def extra_sections(report: Report) -> list[Section]:
     """The sections a search, a colocated baseline or loose thresholds add to a report."""
-    from pdx.accept.search import limit_text
+    from pdx.accept.search.limit import limit_text
 
     out: list[Section] = []
     for s in report.search or []:

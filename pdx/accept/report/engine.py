@@ -4,9 +4,9 @@ own view of the KV connection between the sites (``kernel.tcp``, target.netns ru
 
 from __future__ import annotations
 
-from pdx.accept.metrics import split_key
-from pdx.accept.netns_target import MIN_RTT_WINDOW_S
+from pdx.accept.load.metrics import split_key
 from pdx.accept.report.schema import Report, StepReport
+from pdx.accept.target.netns import MIN_RTT_WINDOW_S
 
 ENGINE_HEADERS = ["step", "NIXL pulls", "NIXL bytes", "NIXL time / pull", "failed pulls",
                   "KV expired", "p2p cached tokens", "device cached tokens", "preemptions",

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from pdx.accept.criteria import CriterionResult, ValidityResult
+from pdx.accept.judge.criteria import CriterionResult, ValidityResult
 from pdx.errors import InputError
 
 SCHEMA_PATH = Path(__file__).parents[1] / "report.schema.json"

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from pdx.accept.playbook import Criteria
-from pdx.accept.prediction import DeployFacts, simulate_step
+from pdx.accept.predict.prediction import DeployFacts, simulate_step
 from pdx.accept.report import RECOMMENDATION_NAMES
 
 NAMES = RECOMMENDATION_NAMES  # the report schema owns the list

@@ -11,11 +11,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pdx.accept.playbook import Target
-from pdx.accept.target import DeployProcess, wait_ready
+from pdx.accept.target.process import DeployProcess, wait_ready
 from pdx.errors import InputError, MeasurementError
 
 if TYPE_CHECKING:
-    from pdx.accept.netns_target import Topology
+    from pdx.accept.target.netns import Topology
 
 
 @dataclass

@@ -5,7 +5,7 @@ searched once per network condition of the matrix, at its first input and output
 ``rtt_ms``, ``loss`` and ``bandwidth_mbps`` once, at the matrix's first load and lengths, on
 the first condition with that one setting changed (``rtt_ms`` sets ``delay_ms`` to half the
 RTT: the emulators delay each direction). Each probe is a full judged step (validity, every
-criterion, the gates); :mod:`pdx.accept.search` picks the values and folds the verdicts in.
+criterion, the gates); :mod:`pdx.accept.search.limit` picks the values and folds the verdicts in.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from pdx.accept import criteria as judge
+from pdx.accept.judge import criteria as judge
 from pdx.accept.playbook import Playbook, Step
 from pdx.accept.run import AcceptRun, StageFn, StepOutcome, report_dir_for
-from pdx.accept.search import (
+from pdx.accept.search.limit import (
     MAX_PROBES,
     Axis,
     Bracket,
@@ -108,7 +108,7 @@ class SearchRun(AcceptRun):
         tpl = Step(0, m.input_tokens[0], m.output_tokens[0], conc, rate, "", m.duration_s)
         nets = m.network if self.axis.param in ("rate", "concurrency") else m.network[:1]
         if self.pb.baseline == "colocated":  # each search again with every request local
-            from pdx.accept.baseline import twin_name
+            from pdx.accept.judge.baseline import twin_name
 
             nets = [n for net in nets for n in (net, twin_name(net))]
         return [(net, tpl) for net in nets]
@@ -151,7 +151,7 @@ class SearchRun(AcceptRun):
                 found["route"] = "colocated" if net in self.local_nets else "split"
             self.searches.append(found)
         if self.pb.baseline == "colocated":
-            from pdx.accept.baseline import capacity_line
+            from pdx.accept.judge.baseline import capacity_line
 
             self.baseline_rows = []
             self.capacity = capacity_line(self.searches)
@@ -225,9 +225,11 @@ class SearchRun(AcceptRun):
         await self._start_pair(self.topology)
         self.gates = self._gate_context()
         if self.pb.load.warmup_requests and self.steps:
-            from pdx.accept.warmup import warm_up
+            from pdx.accept.load.warmup import warm_up
 
-            await warm_up(self.pb, self.url, self.steps[-1], self.pb.load.warmup_requests)
+            pb = self.pb
+            await warm_up(self.url, self.steps[-1], pb.load.warmup_requests,
+                          load=pb.load, target=pb.target, seed=pb.seed)  # fmt: skip
 
     def _extended(self, duration: float, o: StepOutcome) -> float:
         """Twice as long, or as long as the sample its undecided criteria name needs (+10 %),
@@ -263,7 +265,7 @@ class SearchRun(AcceptRun):
 
     async def _predict_limit(self, first: StepOutcome) -> dict[str, Any]:
         """The simulator's limit, calibrated on the search's first probe."""
-        from pdx.accept.search_predict import LimitModel, predict
+        from pdx.accept.search.predict import LimitModel, predict
 
         try:
             model = LimitModel(self.pb, self.playbook_dir, self.axis, first.step,

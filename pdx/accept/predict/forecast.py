@@ -6,7 +6,7 @@ drifts between steps; the link is what the prediction tests), else the whole run
 model comes from the pre-flight measure-kv, the link of each step from its own probe
 (``preflight.probe_each_step``) or else the pre-flight baseline. Each step's
 report gets ``prediction``, ``unexplained`` and ``prediction_model``; the run gets
-``recommendations`` (:mod:`pdx.accept.advice`) and ``prediction_summary``.
+``recommendations`` (:mod:`pdx.accept.predict.advice`) and ``prediction_summary``.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdx.accept import advice
 from pdx.accept.playbook import Playbook, Step, step_criteria
-from pdx.accept.prediction import (
+from pdx.accept.predict import advice
+from pdx.accept.predict.prediction import (
     StepPrediction,
     deploy_facts,
     predict_step,
@@ -134,7 +134,7 @@ def predict_run(
 
 class _EngineCalibration:
     """``engine: vllm``: compute from vLLM's own timings, the pull's round trips and fixed
-    time from the run's clean steps (:mod:`pdx.accept.engine_calibrate`)."""
+    time from the run's clean steps (:mod:`pdx.accept.predict.calibrate`)."""
 
     def __init__(
         self,
@@ -144,8 +144,8 @@ class _EngineCalibration:
         baseline: dict[str, Any] | None,
         facts: Any,
     ) -> None:
-        from pdx.accept.engine_calibrate import engine_compute, pull_fit, pull_point
-        from pdx.accept.prediction import goodput_bps
+        from pdx.accept.predict.calibrate import engine_compute, pull_fit, pull_point
+        from pdx.accept.predict.prediction import goodput_bps
 
         self.model = model
         self.compute, self.fits = engine_compute([(s, r) for s, r, _ in steps], model)
@@ -170,7 +170,7 @@ class _EngineCalibration:
                                   "points": len(points), "max_error_pct": None})  # fmt: skip
 
     def step_compute(self, step: Step, report: StepReport) -> tuple[dict[str, Any], str]:
-        from pdx.accept.engine_calibrate import engine_compute
+        from pdx.accept.predict.calibrate import engine_compute
 
         own, _ = engine_compute([(step, report)], self.model)
         if "prefill_flops" in own and "decode_hbm_bytes_per_s" in own:
@@ -178,7 +178,7 @@ class _EngineCalibration:
         return self.compute, "the run's vLLM timings (vllm: series)"
 
     def pull_fields(self) -> dict[str, Any]:
-        from pdx.accept.engine_calibrate import VLLM_FLOW
+        from pdx.accept.predict.calibrate import VLLM_FLOW
 
         out: dict[str, Any] = dict(VLLM_FLOW)
         if self.pull is not None:

@@ -21,7 +21,7 @@ import asyncio
 import time
 from typing import Any
 
-from pdx.accept.metrics import Snapshot, scrape, split_key
+from pdx.accept.load.metrics import Snapshot, scrape, split_key
 
 USAGE = "vllm:kv_cache_usage_perc"
 POLL_S = 0.5

@@ -26,10 +26,10 @@ import numpy as np
 from pydantic import BaseModel, Field
 from scipy import stats as sps
 
-from pdx.accept.confidence import decide, mean_bounds
-from pdx.accept.criteria import CriterionResult, criterion_spec
+from pdx.accept.judge.confidence import decide, mean_bounds
+from pdx.accept.judge.criteria import CriterionResult, criterion_spec
+from pdx.accept.judge.stats import read_records, samples
 from pdx.accept.report import Report
-from pdx.accept.stats import read_records, samples
 
 Verdict = Literal["GO", "NO-GO", "INCONCLUSIVE"]
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from pdx.accept import confidence as ci
+from pdx.accept.judge import confidence as ci
 from pdx.accept.playbook import Criteria, Playbook, Step, Validity
 
 Result = Literal["pass", "fail", "indeterminate", "not_measured"]
@@ -598,3 +598,19 @@ def _looseness(name: str, r: CriterionResult) -> float | None:
     if threshold <= 0:
         return None
     return float("inf") if value <= 0 else threshold / value
+
+
+EXIT_CODES = {"GO": 0, "NO-GO": 1, "INCONCLUSIVE": 3}
+
+
+def run_verdict(
+    valid: bool, criteria: list[CriterionResult]
+) -> Literal["GO", "NO-GO", "INCONCLUSIVE"]:
+    """Any failed criterion or an invalid run → NO-GO; else any undecided or unmeasured one →
+    INCONCLUSIVE; GO needs at least one judged criterion. Advisory criteria never decide."""
+    deciding = [c for c in criteria if not c.advisory]
+    if not valid or any(c.result == "fail" for c in deciding):
+        return "NO-GO"
+    if not deciding or any(c.result in ("indeterminate", "not_measured") for c in deciding):
+        return "INCONCLUSIVE"
+    return "GO"

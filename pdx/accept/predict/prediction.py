@@ -23,11 +23,11 @@ from typing import Any, Literal
 
 import numpy as np
 
-from pdx.accept import confidence as ci
+from pdx.accept.judge import confidence as ci
+from pdx.accept.judge.stats import samples
 from pdx.accept.playbook import Playbook
-from pdx.accept.stats import samples
 
-# predicted metric -> (per-request sample in pdx.accept.stats.samples, quantile)
+# predicted metric -> (per-request sample in pdx.accept.judge.stats.samples, quantile)
 METRICS: dict[str, tuple[str, float]] = {
     "ttft_p50_ms": ("ttft_ms", 0.50),
     "ttft_p99_ms": ("ttft_ms", 0.99),
@@ -57,10 +57,10 @@ class DeployFacts:
 
 def deploy_facts(pb: Playbook, playbook_dir: Path) -> DeployFacts:
     """The deploy's pools, batch, router threshold and KV transport settings."""
-    from pdx.accept.preflight import deploy_config
+    from pdx.accept.preflight.kv import deploy_config
     from pdx.serving.deploy_config import local_prefill_threshold
 
-    cfg = deploy_config(pb, playbook_dir)
+    cfg = deploy_config(pb.target, playbook_dir)
     return DeployFacts(
         prefill_instances=max(1, cfg.prefill.count),
         decode_instances=cfg.decode.count,

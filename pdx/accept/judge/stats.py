@@ -309,3 +309,15 @@ def derive_rates(summary: dict[str, Any], metrics_delta: dict[str, float]) -> No
             summary[rate] = summary[k] / summary[n]
         elif n in summary:
             summary[rate] = None  # nothing to count: the gate is not judged on this step
+
+
+def span_s(rows: list[dict[str, Any]]) -> float:
+    """First intended send to last stream end, in seconds."""
+    if not rows:
+        return 0.0
+    start = min(r["t_intended_s"] for r in rows)
+    end = max(
+        r["t_intended_s"] + (r.get("e2e_ms") or r.get("elapsed_ms") or r.get("queue_ms") or 0) / 1e3
+        for r in rows
+    )
+    return max(0.0, end - start)

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from pdx.accept.playbook import Step
 
 if TYPE_CHECKING:
-    from pdx.accept.criteria import CriterionResult, ValidityResult
+    from pdx.accept.judge.criteria import CriterionResult, ValidityResult
 
 _LATENCY = {"ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms"}
 

@@ -22,9 +22,9 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from pdx.accept import confidence as ci
+from pdx.accept.judge import confidence as ci
+from pdx.accept.judge.stats import samples
 from pdx.accept.playbook import Criteria, Playbook, Step, step_criteria
-from pdx.accept.stats import samples
 
 
 class AcceptRun(Protocol):

@@ -2,9 +2,9 @@
 
 The compute comes from the first probe's server timings, the model from the pre-flight
 measure-kv, the link from the pre-flight probe (as each step's prediction does, see
-:mod:`pdx.accept.prediction`). With ``engine: vllm`` the compute comes from the first probe's
-``vllm:`` series instead (:mod:`pdx.accept.engine_calibrate`, as a run's forecast does), and
-so does the NIXL pull's own time: one probe at one RTT cannot tell the pull's round trips
+:mod:`pdx.accept.predict.prediction`). With ``engine: vllm`` the compute comes from the first
+probe's ``vllm:`` series instead (:mod:`pdx.accept.predict.calibrate`, as a run's forecast
+does), and so does the NIXL pull's own time: one probe at one RTT cannot tell the pull's round trips
 from its fixed part (a run's forecast fits both on steps at several RTTs), so the pull is
 taken as ``PULL_ROUND_TRIPS`` round trip (the read request and its data) plus the rest of
 what the first probe measured as a fixed time.
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from pdx.accept.playbook import Playbook, Step, step_criteria
-from pdx.accept.prediction import (
+from pdx.accept.predict.prediction import (
     deploy_facts,
     goodput_bps,
     sim_fields,
@@ -32,7 +32,7 @@ from pdx.accept.prediction import (
     step_workload,
 )
 from pdx.accept.report import StepReport
-from pdx.accept.search import Axis
+from pdx.accept.search.limit import Axis
 
 PREDICTED = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "transfer_p50_ms")
 CURVE_POINTS = 10
@@ -60,8 +60,8 @@ class LimitModel:
         records: list[dict[str, Any]],
         preflight: dict[str, Any],
     ) -> None:
-        from pdx.accept.engine_calibrate import engine_compute
-        from pdx.accept.probe import summary as probe_summary
+        from pdx.accept.predict.calibrate import engine_compute
+        from pdx.accept.preflight.probe import summary as probe_summary
         from pdx.sim.calibrate import compute_fits, model_fields
 
         self.axis, self.step, self.pb = axis, step, pb
@@ -88,7 +88,7 @@ class LimitModel:
         """vLLM's flow (the first token from decode, the prompt across the link to prefill)
         and its pull: ``PULL_ROUND_TRIPS`` of the link the first probe ran on, the rest of
         its measured pull (transfer p50 − wire time − one decode step) a fixed time."""
-        from pdx.accept.engine_calibrate import VLLM_FLOW, pull_point
+        from pdx.accept.predict.calibrate import VLLM_FLOW, pull_point
 
         out: dict[str, Any] = dict(VLLM_FLOW)
         ax = self.axis

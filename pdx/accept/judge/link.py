@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
-from pdx.accept import criteria as judge
+from pdx.accept.judge import criteria as judge
 from pdx.accept.playbook import Playbook, Step, step_criteria
 
 
@@ -26,8 +26,8 @@ class AcceptRun(Protocol):
 
 def judge_link(run: AcceptRun) -> None:
     """The probe's verdict against the KV demand at the highest load the run reached."""
-    from pdx.accept.preflight import kv_bytes_per_request
-    from pdx.accept.probe import judge_demand, summary
+    from pdx.accept.preflight.kv import kv_bytes_per_request
+    from pdx.accept.preflight.probe import judge_demand, summary
 
     probe = (run.preflight or {}).get("probe_link")
     kv = (run.preflight or {}).pop("_kv", None)

@@ -120,7 +120,7 @@ def _resources(ax: Any, steps: list[StepReport]) -> None:
 
 def _prediction(ax: Any, steps: list[StepReport]) -> None:
     """Per predicted metric: measured (with its interval) and predicted, step by step."""
-    from pdx.accept.prediction import METRICS
+    from pdx.accept.predict.prediction import METRICS
 
     for a, metric in zip(ax, METRICS, strict=True):
         xs, meas, pred, lo, hi = [], [], [], [], []

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import re
@@ -21,7 +20,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 
-from pdx.accept.playbook import Playbook
+from pdx.accept.playbook import Preflight
 from pdx.errors import MeasurementError
 
 _PDX = [sys.executable, "-c", "from pdx.cli.main import main; main()"]
@@ -38,12 +37,11 @@ def loss_interval_ms(duration_s: float) -> str:
 _LISTENING = re.compile(r"listening on (\S+) tcp (\d+) udp (\d+)")
 
 
-def probe_args(pb: Playbook, target: str) -> list[str]:
+def probe_args(p: Preflight, target: str) -> list[str]:
     """``pdx probe-link`` arguments sized for a pre-flight (one round per throughput test).
 
     The shared secret travels in ``PDX_PROBE_SECRET`` (see :func:`_env`), not on the command line.
     """
-    p = pb.preflight
     one_round_s = p.probe_duration_s + 0.5
     return [
         "probe-link",
@@ -67,11 +65,10 @@ def probe_args(pb: Playbook, target: str) -> list[str]:
     ]
 
 
-def step_probe_args(pb: Playbook, target: str, streams: int) -> list[str]:
+def step_probe_args(p: Preflight, target: str, streams: int) -> list[str]:
     """A short probe of the link under one step's condition: RTT and loss (enough UDP probes
     to bound loss to 0.1 %) and goodput with ``streams`` streams (the deploy's KV stripes) and
     one."""
-    p = pb.preflight
     return [
         "probe-link",
         target,
@@ -139,22 +136,20 @@ async def _listening_port(proc: asyncio.subprocess.Process) -> int:
 
 
 async def run_probe(
-    pb: Playbook,
-    host: str,
-    netns: tuple[str, str] | None,
-    args_for: Callable[[str], list[str]] | None = None,
+    host: str, netns: tuple[str, str] | None, args_for: Callable[[str], list[str]]
 ) -> dict[str, Any]:
     """Probe the link from decode's end to a server at the KV store (``host``).
 
     ``netns`` = (prefill namespace, decode namespace) when the deploy runs in them;
-    ``args_for`` builds the probe-link arguments for the server's ``host:port`` (default: the
-    pre-flight's, :func:`probe_args`). Returns ``{"command", "server", "report"}`` or
-    ``{"error"}``; never raises a measurement failure (pre-flight informs, it does not judge).
+    ``args_for`` builds the probe-link arguments for the server's ``host:port`` (the
+    pre-flight's: ``functools.partial(probe_args, playbook.preflight)``). Returns
+    ``{"command", "server", "report"}`` or ``{"error"}``; never raises a measurement failure
+    (pre-flight informs, it does not judge).
     """
     secret = secrets.token_hex(16)
     try:
         async with probe_server(host, secret, netns[0] if netns else None) as where:
-            args = (args_for or functools.partial(probe_args, pb))(where)
+            args = args_for(where)
             prefix = ["ip", "netns", "exec", netns[1]] if netns else []
             proc = await asyncio.create_subprocess_exec(
                 *prefix,

@@ -9,7 +9,7 @@
 - stranded KV: how long each KV object stayed in the store after its request ended, from the
   store's audit log (put, then release / expire / evict) and decode's per-request records;
   with vLLM engines, how long prefill's KV usage stayed above 0 after the step's last request
-  ended (:mod:`pdx.accept.engine_kv`);
+  ended (:mod:`pdx.accept.judge.engine_kv`);
 - overdue: requests still unanswered past their own deadline + 2 × RTT;
 - idle gap: the first burst after an idle period against the same step's steady TTFT.
 
@@ -405,7 +405,7 @@ class GateContext:
     idle_burst_s: float = 1.0
     seed: int = 0
     # engine: vllm — where prefill's KV usage is read (the gateway's /metrics) for the
-    # stranded-KV gate (pdx.accept.engine_kv); None: no such target
+    # stranded-KV gate (pdx.accept.judge.engine_kv); None: no such target
     metrics_url: str | None = None
 
 
@@ -479,7 +479,7 @@ async def _engine_stranded_facts(
     ctx: GateContext, rows: list[dict[str, Any]], facts: dict[str, Any], missing: list[str]
 ) -> None:
     """vLLM: KV prefill still holds once the step's requests ended, from its KV usage."""
-    from pdx.accept.engine_kv import watch_prefill_kv
+    from pdx.accept.judge.engine_kv import watch_prefill_kv
 
     if ctx.metrics_url is None or ctx.stranded_bound_s is None:
         missing.append("kv_stranded_max_s: the target's prefill KV usage is not readable here "

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdx.accept.metrics import split_key
+from pdx.accept.load.metrics import split_key
 
 # The simulator's fields for vLLM's flow (above): the first token from decode's first step,
 # the prompt across the link to prefill and its answer back.

@@ -31,7 +31,7 @@ from locust import User, constant, events, stats, task
 from locust.runners import WorkerRunner
 from locust.user.task import LOCUST_STATE_STOPPING
 
-from pdx.accept.traffic.llm_stream import (
+from pdx.accept.load.traffic.llm_stream import (
     LengthSpec,
     PromptSource,
     RequestRecord,

@@ -6,24 +6,26 @@ import random
 import time
 from typing import Any
 
-from pdx.accept.playbook import Playbook, Step
+from pdx.accept.playbook import Load, Step, Target
 
 
-async def warm_up(pb: Playbook, url: str, step: Step, count: int) -> list[dict[str, Any]]:
+async def warm_up(
+    url: str, step: Step, count: int, *, load: Load, target: Target, seed: int
+) -> list[dict[str, Any]]:
     """Send ``count`` streamed requests one after another; return what each did (not judged)."""
     import aiohttp
 
-    rng = random.Random(pb.seed)
+    rng = random.Random(seed)
     out: list[dict[str, Any]] = []
-    timeout = aiohttp.ClientTimeout(total=pb.load.timeout_s)
+    timeout = aiohttp.ClientTimeout(total=load.timeout_s)
     async with aiohttp.ClientSession(timeout=timeout) as session:
         for _ in range(count):
             body: dict[str, Any] = {
-                "prompt": [rng.randint(1, pb.load.token_id_max) for _ in range(step.input_tokens)],
+                "prompt": [rng.randint(1, load.token_id_max) for _ in range(step.input_tokens)],
                 "max_tokens": step.output_tokens,
                 "stream": True,
-                **({"model": pb.target.model} if pb.target.model else {}),
-                **pb.target.extra_body,
+                **({"model": target.model} if target.model else {}),
+                **target.extra_body,
             }
             t0 = time.perf_counter()
             try:

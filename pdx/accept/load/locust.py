@@ -1,7 +1,7 @@
 """Locust as a subprocess: the command line for one step, running it, reading its CSV.
 
 Locust monkey-patches the interpreter (gevent), so pdx never imports it: each step runs
-``python -m locust -f pdx/accept/traffic/locustfile.py --headless ...`` and reads its files.
+``python -m locust -f pdx/accept/load/traffic/locustfile.py --headless ...`` and reads its files.
 """
 
 from __future__ import annotations
@@ -15,22 +15,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from pdx.accept.playbook import Playbook, Step
+from pdx.accept.playbook import Load, Playbook, Step
 from pdx.errors import InputError
 from pdx.netaddr import listen_port
 
 
 def default_locustfile() -> Path:
-    """The locustfile shipped in the package (``pdx/accept/traffic/locustfile.py``)."""
-    from pdx.accept.traffic import LOCUSTFILE
+    """The locustfile shipped in the package (``pdx/accept/load/traffic/locustfile.py``)."""
+    from pdx.accept.load.traffic import LOCUSTFILE
 
     return LOCUSTFILE
 
 
-def resolve_locustfile(pb: Playbook, playbook_dir: Path) -> Path:
+def resolve_locustfile(load: Load, playbook_dir: Path) -> Path:
     """The locustfile a playbook asks for (relative to the playbook), or the default one."""
-    path = Path(pb.load.locustfile) if pb.load.locustfile else default_locustfile()
-    if pb.load.locustfile and not path.is_absolute():
+    path = Path(load.locustfile) if load.locustfile else default_locustfile()
+    if load.locustfile and not path.is_absolute():
         path = playbook_dir / path
     if not path.is_file():
         raise InputError("load.locustfile", str(path), "an existing locustfile")

@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdx.accept.playbook import Playbook
+from pdx.accept.playbook import Playbook, Target
 from pdx.errors import PdxError
 from pdx.serving.backends.presets import TINY_PRESETS, tiny_config_json
 
@@ -25,7 +25,7 @@ def deployed_model(pb: Playbook, playbook_dir: Path) -> tuple[Any, str, str]:
 
     if pb.preflight.model_preset:
         return load_preset(pb.preflight.model_preset), "bf16", "preflight.model_preset"
-    cfg = deploy_config(pb, playbook_dir)
+    cfg = deploy_config(pb.target, playbook_dir)
     if cfg.engine == "vllm":  # the engine's model, in the KV dtype vLLM keeps (bf16 here)
         name = cfg.vllm.model
         if name in TINY_PRESETS:
@@ -48,16 +48,15 @@ def deployed_model(pb: Playbook, playbook_dir: Path) -> tuple[Any, str, str]:
     return load_preset(model.preset), "bf16", "deploy model.preset (measure-kv preset)"
 
 
-def deploy_config(pb: Playbook, playbook_dir: Path) -> Any:
+def deploy_config(target: Target, playbook_dir: Path) -> Any:
     """The deploy config the run starts (embedded default or YAML, with ``deploy_set``)."""
     from pdx.serving.deploy_config import load_deploy_config
 
-    target = pb.target.deploy
     path = None
-    if target not in (None, "default"):
-        path = Path(str(target))
+    if target.deploy not in (None, "default"):
+        path = Path(str(target.deploy))
         path = path if path.is_absolute() else playbook_dir / path
-    return load_deploy_config(path, dotted=list(pb.target.deploy_set))
+    return load_deploy_config(path, dotted=list(target.deploy_set))
 
 
 def measure_kv(pb: Playbook, playbook_dir: Path, qps: float) -> dict[str, Any]:
@@ -90,7 +89,7 @@ def _engine_options(pb: Playbook, playbook_dir: Path) -> dict[str, Any]:
     """measure-kv's --engine/--device/--block-size for a vLLM deploy: the bytes NIXL moves."""
     if pb.preflight.model_preset or pb.target.deploy is None:
         return {}
-    cfg = deploy_config(pb, playbook_dir)
+    cfg = deploy_config(pb.target, playbook_dir)
     if cfg.engine != "vllm":
         return {}
     device = "gpu" if cfg.vllm.device == "cuda" else "cpu"
