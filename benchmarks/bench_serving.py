@@ -50,7 +50,7 @@ on its own deployment, both running. The rules of the fight:
                  modes with the order alternated (whole first in even rounds, streamed first
                  in odd ones), so drift and neighbours on a shared box hit both alike.
   intervals      each mode's median arrival → second token with distribution-free bounds
-                 (order statistics, pdx.accept.confidence.quantile_bounds, each one-sided at
+                 (order statistics, pdx.accept.judge.confidence.quantile_bounds, each one-sided at
                  95 %: together a 90 % interval); the streamed/whole ratio is the median of
                  the per-round ratios, with the same bounds.
 Goal: arrival → second token <= max(prefill, transfer) + one decode step + 3 RTT with streaming
@@ -559,7 +559,7 @@ def summarize(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
 def p99_bounds(values: list[float]) -> dict[str, float | None]:
     """The p99 (nearest rank) and its distribution-free bounds, each one-sided at
     ``CONFIDENCE``: the upper one needs 299 values, the lower one 5."""
-    from pdx.accept.confidence import quantile_bounds
+    from pdx.accept.judge.confidence import quantile_bounds
 
     ordered = sorted(values)
     b = quantile_bounds(ordered, 0.99, CONFIDENCE)
@@ -572,7 +572,7 @@ def p99_bounds(values: list[float]) -> dict[str, float | None]:
 def p99_difference(a: dict[str, float | None], b: dict[str, float | None]) -> dict[str, Any]:
     """p99(a) − p99(b) with bounds from each side's (a's low − b's high, a's high − b's low:
     together at least a 90 % interval when each side's bounds are)."""
-    from pdx.accept.confidence import Bounds, difference_bounds
+    from pdx.accept.judge.confidence import Bounds, difference_bounds
 
     assert a["p99"] is not None and b["p99"] is not None
     d = difference_bounds(Bounds(a["low"], a["high"]), Bounds(b["low"], b["high"]))
@@ -656,7 +656,8 @@ async def streamed_kv(
 
     sets = ["gateway.port=0", "model.backend=synthetic", f"model.preset={args.preset}",
             f"model.synthetic_compute={args.compute}",
-            "kv.via_proxy=true", "kv.kv_transfer_timeout_ms=60000", f"kv.codec={args.codec}",
+            f"kv.via_proxy={not args.no_proxy}", "kv.kv_transfer_timeout_ms=60000",
+            f"kv.codec={args.codec}",
             f"kv.chunk_size_kb={args.chunk_kb}",
             "decode.kv_budget_bytes=8589934592", "kv.store_budget_bytes=8589934592",
             "router.local_prefill_max_tokens=1", "router.breaker_min_samples=1000",
@@ -673,7 +674,7 @@ async def streamed_kv(
     try:
         for dep in deps.values():
             await dep.start()
-            for proxy in dep.proxies:  # half the RTT each way, the rate cap each way
+            for proxy in dep.proxies:  # half the RTT each way, the rate cap each way (if any)
                 proxy.add_toxic(Latency(name="rtt", latency_ms=args.rtt_ms / 2))
                 proxy.add_toxic(Bandwidth(name="rate", rate_mbps=args.rate_mbps))
         body = json.dumps(_body(prompt, args, "disaggregated")).encode()
@@ -694,9 +695,9 @@ async def streamed_kv(
     return out
 
 
-def prefill_writers(audit_root: Path) -> dict[str, dict[str, int]]:
-    """Per mode, the successful Puts into prefill's store by the transport that wrote them
-    (``local``: in-process, ``grpc``/``data``: through the KV client), from the store's audit."""
+def prefill_writers(audit_root: Path, event: str = "put") -> dict[str, dict[str, int]]:
+    """Per mode, the successful Puts (or Gets) of prefill's store by the transport that moved
+    them (``local``: in-process, ``grpc``/``data``: through the KV client), from its audit."""
     from pdx.transfer.audit import read_audit
 
     out: dict[str, dict[str, int]] = {}
@@ -704,8 +705,8 @@ def prefill_writers(audit_root: Path) -> dict[str, dict[str, int]]:
         counts: dict[str, int] = {}
         for path in sorted((audit_root / mode).glob("kv-store-prefill-*.jsonl")):
             for rec in read_audit(path):
-                if rec.get("event") == "put" and rec.get("outcome") == "ok":
-                    transport = str(rec.get("transport"))
+                if rec.get("event") == event and rec.get("outcome") == "ok":
+                    transport = str(rec.get("transport") or "grpc")
                     counts[transport] = counts.get(transport, 0) + 1
         out[mode] = counts
     return out
@@ -714,7 +715,7 @@ def prefill_writers(audit_root: Path) -> dict[str, dict[str, int]]:
 def median_bounds(values: list[float]) -> dict[str, float | None]:
     """The median and its distribution-free bounds (order statistics, each one-sided at
     ``CONFIDENCE``)."""
-    from pdx.accept.confidence import quantile_bounds
+    from pdx.accept.judge.confidence import quantile_bounds
 
     b = quantile_bounds(values, 0.5, CONFIDENCE)
     return {"median": round(median(values), 3),
@@ -724,7 +725,7 @@ def median_bounds(values: list[float]) -> dict[str, float | None]:
 
 def judge(bounds: dict[str, float | None], goal_ms: float) -> str:
     """MET, MISSED or UNDECIDED: the goal judged from the interval (see goal_verdict)."""
-    from pdx.accept.confidence import goal_verdict
+    from pdx.accept.judge.confidence import goal_verdict
 
     return goal_verdict(bounds["low"], bounds["high"], goal_ms)
 
@@ -830,8 +831,15 @@ def render_streamed(result: dict[str, Any]) -> None:
     same = "same writer" if result["same_writer"] else "DIFFERENT writers"
     print(f"prefill's store Puts by transport: {writers} ({same}); synthetic compute "
           f"{result['compute']}")  # fmt: skip
-    print(f"KV per request {int(result['modes']['whole']['kv_bytes'])} B, RTT "
-          f"{result['rtt_ms']:g} ms, rate cap {result['rate_mbps']:g} Mbit/s, "
+    gets = ", ".join(
+        f"{mode} " + " ".join(f"{t}×{n}" for t, n in sorted(w.items()))
+        for mode, w in result["gets_by_transport"].items()
+    )
+    link = "through the proxy" if result["proxy"] else "straight to the store (no proxy)"
+    print(f"decode's Gets by transport: {gets}; the KV link {link}")
+    shaped = (f"RTT {result['rtt_ms']:g} ms, rate cap {result['rate_mbps']:g} Mbit/s"
+              if result["proxy"] else "loopback (no added RTT, no rate cap)")  # fmt: skip
+    print(f"KV per request {int(result['modes']['whole']['kv_bytes'])} B, {shaped}, "
           f"codec {result['codec']}, TLS {result['tls']}, {result['requests']} requests per "
           f"mode, {result['cpus']} CPUs, load average {result['load_before']:.2f} before, "
           f"{result['load_after']:.2f} after")  # fmt: skip
@@ -861,12 +869,16 @@ def run_streamed_kv(args: argparse.Namespace) -> None:
         args.requests = 30
     if "--max-tokens" not in sys.argv:
         args.max_tokens = 4
+    if args.no_proxy:  # loopback as it is: no added RTT, no rate cap
+        args.rtt_ms, args.rate_mbps = 0.0, 0.0
     prompt = [4 + (i * 37) % 250 for i in range(args.prompt_tokens)]
     load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory(prefix="bench-streamed-kv-") as tmp:
         runs = asyncio.run(streamed_kv(args, prompt, Path(tmp)))
         writers = prefill_writers(Path(tmp))
-    result = {"prompt_tokens": args.prompt_tokens, "requests": args.requests,
+        readers = prefill_writers(Path(tmp), "get")
+    result = {"proxy": not args.no_proxy, "gets_by_transport": readers,
+              "prompt_tokens": args.prompt_tokens, "requests": args.requests,
               "codec": args.codec, "tls": not args.no_tls, "rtt_ms": args.rtt_ms,
               "rate_mbps": args.rate_mbps, "preset": args.preset, "chunk_kb": args.chunk_kb,
               "compute": args.compute, "cpus": os.cpu_count(), "load_before": load_before,
@@ -894,6 +906,10 @@ def main() -> None:
     p.add_argument("--preset", default="llama-3.1-8b", help="--streamed-kv: synthetic model")
     p.add_argument("--rtt-ms", type=float, default=10.0, help="--streamed-kv: KV link RTT")
     p.add_argument("--rate-mbps", type=float, default=1000.0, help="--streamed-kv: rate cap")
+    p.add_argument("--no-proxy", action="store_true",
+                   help="--streamed-kv: KV straight to the store, no proxy, no RTT or rate "
+                   "cap: a whole object then travels on the data plane (kv.transport auto), "
+                   "a streamed one on gRPC, as a deployment's default has them")  # fmt: skip
     p.add_argument("--chunk-kb", type=int, default=1024, help="--streamed-kv: kv.chunk_size_kb")
     p.add_argument("--compute", choices=("spin", "sleep"), default="spin",
                    help="--streamed-kv: model.synthetic_compute")  # fmt: skip

@@ -20,8 +20,9 @@ from pdx.serving.backends.kvwire import EncodedKV
 from pdx.serving.gateway import MARKS, Gateway
 from pdx.serving.prefill import PrefillNode, StoreSink
 
+# the whole-object path: the KV stored once prefill has computed (kv.streaming off)
 SETS = ["router.local_prefill_max_tokens=8", "kv.kv_transfer_timeout_ms=1500",
-        "kv.kv_retry_budget=1"]  # fmt: skip
+        "kv.kv_retry_budget=1", "kv.streaming=false"]  # fmt: skip
 PROMPT = "a prompt long enough to ship over the link"
 
 

@@ -35,6 +35,14 @@ async def node() -> AsyncIterator[PrefillNode]:
     await n.stop(0.5)
 
 
+@pytest.fixture
+async def whole_node() -> AsyncIterator[PrefillNode]:
+    """A prefill that stores each object whole once it has computed (kv.streaming off)."""
+    n = await start(None, "kv.streaming=false")
+    yield n
+    await n.stop(0.5)
+
+
 def request(ids: list[int], codec: str = "") -> serving_pb2.PrefillRequest:
     return serving_pb2.PrefillRequest(
         request_id="t", token_ids=ids, codec=codec, sampling=serving_pb2.SamplingParams()
@@ -121,7 +129,10 @@ class GatedSink:
         return await self.inner.put(encoded, model_version, ttl_s)
 
 
-async def test_stream_answers_the_first_token_before_the_put_completes(node: PrefillNode) -> None:
+async def test_stream_answers_the_first_token_before_the_put_completes(
+    whole_node: PrefillNode,
+) -> None:
+    node = whole_node
     assert node.servicer is not None and isinstance(node.servicer.sink, StoreSink)
     sink = node.servicer.sink = GatedSink(node.servicer.sink)
     async with grpc.aio.insecure_channel(f"127.0.0.1:{node.port}") as ch:
@@ -173,7 +184,7 @@ async def _first_token_then_error(n: Any) -> tuple[Any, Any]:
 
 
 async def test_stream_reports_a_failed_put_after_the_first_token() -> None:
-    n = await start(None, "kv.store_budget_bytes=4096")  # the object cannot fit the store
+    n = await start(None, "kv.store_budget_bytes=4096", "kv.streaming=false")  # cannot fit
     first, err = await _first_token_then_error(n)
     assert first.HasField("first")
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
@@ -184,7 +195,9 @@ async def test_stream_reports_a_failed_put_after_the_first_token() -> None:
 async def test_stream_reports_a_failed_client_put_after_the_first_token() -> None:
     # A sink without the store in its process Puts through the KV client, here to a stopped
     # store: the Put cannot succeed.
-    n = await start(None, "kv.kv_transfer_timeout_ms=1500", "kv.kv_retry_budget=1")
+    n = await start(
+        None, "kv.kv_transfer_timeout_ms=1500", "kv.kv_retry_budget=1", "kv.streaming=false"
+    )
     try:
         assert n.servicer is not None
         n.servicer.sink = StoreSink(n.client, n.servicer.sink.endpoint)

@@ -106,8 +106,25 @@ async def test_decode_reads_the_layers_while_prefill_computes() -> None:
     assert pdx["first_to_second_token_ms"] < prefill_ms / 2
 
 
+async def test_a_single_token_request_reads_no_streamed_kv() -> None:
+    """max_tokens 1: prefill's first token is the answer; decode is not started at the opened
+    event, reads nothing, and the object is released (nothing left in the store)."""
+    sets = ["tls.enabled=false", "kv.streaming=true", "router.local_prefill_max_tokens=1"]
+    async with inprocess_pair(sets) as (gw, prefill, _):
+        url = f"http://127.0.0.1:{gw.port}/v1/completions"
+        async with aiohttp.ClientSession() as s:
+            one = await complete(s, url, "disaggregated", max_tokens=1)
+        for _ in range(100):  # the unread object is released (or ended) just after the answer
+            if prefill.kv_server.store.used_bytes == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert prefill.kv_server.store.used_bytes == 0
+    assert one["choices"][0]["token_ids"] == greedy_alone(PROMPT, 1)
+    assert one["pdx"]["kv_id"] and one["pdx"]["kv_bytes"] == 0
+
+
 async def test_streaming_off_keeps_the_whole_object_path() -> None:
-    sets = ["tls.enabled=false", "router.local_prefill_max_tokens=1"]
+    sets = ["tls.enabled=false", "router.local_prefill_max_tokens=1", "kv.streaming=false"]
     async with inprocess_pair(sets) as (gw, _, _):
         url = f"http://127.0.0.1:{gw.port}/v1/completions"
         async with aiohttp.ClientSession() as s:

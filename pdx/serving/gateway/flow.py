@@ -290,6 +290,8 @@ class Flow:
         and the first token comes from the object's tail."""
         gen.kv_id = opened.kv_id
         gen.kv_endpoint = self.ctx.kv_route.get(opened.kv_endpoint, opened.kv_endpoint)
+        if gen.sampling.max_tokens <= 1:  # prefill's first token is all of it: read no KV
+            return
         early = serving_pb2.GenerateRequest()
         early.CopyFrom(gen)
         early.first_token_in_kv = True
