@@ -6,7 +6,10 @@ Decode score (higher is better), for a healthy instance with room for this reque
             - (queue_depth + in_flight) / (max_batch + max_queue)
 
 where ``need`` is the KV the request reserves at decode: ``kv_bytes_per_token`` (from the
-instance's Status) × (prompt tokens + max_tokens). An instance is a candidate only when
+instance's Status) × (prompt tokens + max_tokens), and ``kv_free_bytes`` what is free *now*:
+the budget less this gateway's own requests in flight there (counted as they are sent and as
+they end) and less what others had reserved at the last Status poll (a poll lags; this
+gateway's own sends and ends do not). An instance is a candidate only when
 healthy, not down (its process restarting, per the supervisor), ``in_flight < max_batch +
 max_queue`` and ``need <= kv_free_bytes`` (it can take *this* request now); with no
 candidate the request is refused early (HTTP 429 + Retry-After when all are full, 503 +
@@ -45,6 +48,8 @@ class DecodeInstance:
     kv_budget_bytes: int = 1
     kv_free_bytes: int = 1
     kv_bytes_per_token: float = 0.0  # what a request reserves per token (0: unknown)
+    kv_reserved_here: int = 0  # this gateway's requests in flight there: their reservations
+    kv_others: int = 0  # reserved by others at the last poll (budget - free - ours then)
     in_flight: int = 0
     down: bool = False  # its process is down, says the supervisor (restarting)
 
@@ -57,14 +62,30 @@ class DecodeInstance:
         """The KV a request of ``tokens`` (prompt + max_tokens) reserves here."""
         return math.ceil(self.kv_bytes_per_token * tokens)
 
+    def polled(self, budget_bytes: int, free_bytes: int) -> None:
+        """A Status reply: what others hold is what is reserved less this gateway's share.
+
+        A request of this gateway's sent but not yet reserved at decode when the poll ran
+        makes others read low until the next poll; decode's own admission holds the budget.
+        """
+        self.kv_budget_bytes = budget_bytes
+        self.kv_others = max(0, budget_bytes - free_bytes - self.kv_reserved_here)
+        self.kv_free_bytes = self.kv_free_now()
+
+    def kv_free_now(self) -> int:
+        """Free KV budget now: less this gateway's in flight and others' at the last poll."""
+        if self.kv_bytes_per_token <= 0:
+            return self.kv_free_bytes  # an instance that reports no reservations (engines)
+        return max(0, self.kv_budget_bytes - self.kv_others - self.kv_reserved_here)
+
     def score(self, tokens: int = 0) -> float | None:
         """The documented score, or None when it cannot take this request now."""
         if not self.healthy or self.down or self.in_flight >= self.capacity:
             return None
-        need = self.kv_need_bytes(tokens)
-        if need > self.kv_free_bytes:
+        need, free_now = self.kv_need_bytes(tokens), self.kv_free_now()
+        if need > free_now:
             return None
-        free = (self.kv_free_bytes - need) / max(1, self.kv_budget_bytes)
+        free = (free_now - need) / max(1, self.kv_budget_bytes)
         return free - (self.queue_depth + self.in_flight) / max(1, self.capacity)
 
 
@@ -152,6 +173,7 @@ class Decision:
     decode: DecodeInstance
     prefill: PrefillInstance | None = None
     degrade_reason: str = ""
+    kv_need_bytes: int = 0  # what the request reserves on ``decode`` (the flow holds it)
 
 
 @dataclass
@@ -208,13 +230,16 @@ class Router:
         decode = self.pick_decode(user, prompt_tokens + max_tokens)
         if decode is None:
             return None
+        need = decode.kv_need_bytes(prompt_tokens + max_tokens)
         if requested == "local":
-            return Decision("local", decode)
+            return Decision("local", decode, kv_need_bytes=need)
         if requested == "auto" and prompt_tokens < self.local_prefill_max_tokens:
-            return Decision("local", decode)
+            return Decision("local", decode, kv_need_bytes=need)
         prefill = self.pick_prefill()
         if prefill is None:
-            return Decision("local", decode, degrade_reason="prefill_unavailable")
+            return Decision("local", decode, degrade_reason="prefill_unavailable",
+                            kv_need_bytes=need)  # fmt: skip
         if requested == "auto" and not self.breaker.allow():
-            return Decision("local", decode, degrade_reason=f"circuit_open:{self.breaker.reason}")
-        return Decision("disaggregated", decode, prefill)
+            why = f"circuit_open:{self.breaker.reason}"
+            return Decision("local", decode, degrade_reason=why, kv_need_bytes=need)
+        return Decision("disaggregated", decode, prefill, kv_need_bytes=need)

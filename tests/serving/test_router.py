@@ -51,6 +51,8 @@ def test_a_request_goes_where_its_kv_fits_now() -> None:
     """Candidacy and score count this request's reservation: 1 byte per token here."""
     busy, roomy = decode("busy", free=10), decode("roomy", free=60)
     busy.kv_bytes_per_token = roomy.kv_bytes_per_token = 1.0
+    busy.polled(100, 10)  # others hold 90 there, 40 on roomy (this gateway: nothing yet)
+    roomy.polled(100, 60)
     r = router(busy, roomy)
     assert busy.score(8) is not None and busy.score(11) is None  # 8 fit in 10, 11 do not
     assert r.decide("local", 40, None, max_tokens=10).decode is roomy  # 50 only fit roomy
@@ -61,6 +63,22 @@ def test_a_request_goes_where_its_kv_fits_now() -> None:
     sticky = router(busy, roomy)
     sticky.sticky["alice"] = "busy"
     assert sticky.pick_decode("alice", 30) is roomy  # her instance cannot take this one
+
+
+def test_free_kv_counts_this_gateways_own_requests_between_polls() -> None:
+    """A poll lags: this gateway's own sends and ends count at once, others' at the poll."""
+    d = decode("d")
+    d.kv_bytes_per_token = 1.0
+    d.polled(100, 70)  # 30 held by others
+    assert d.kv_free_now() == 70 and d.score(70) is not None and d.score(71) is None
+    d.kv_reserved_here += 50  # sent a request that reserves 50
+    assert d.kv_free_now() == 20  # counted at once, before any poll
+    d.polled(100, 70)  # a poll before decode reserved it reads others low (decode still
+    assert d.kv_others == 0 and d.kv_free_now() == 50  # holds its budget) until the next one
+    d.polled(100, 20)  # decode reserved it: 30 by others again
+    assert d.kv_others == 30 and d.kv_free_now() == 20
+    d.kv_reserved_here -= 50  # it ended: free at once, before the next poll
+    assert d.kv_free_now() == 70
 
 
 def test_sticky_map_is_bounded() -> None:

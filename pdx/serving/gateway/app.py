@@ -213,8 +213,8 @@ class Gateway:
             return
         d.healthy, d.queue_depth, d.running = st.healthy, st.queue_depth, st.running
         d.max_batch, d.max_queue = st.max_batch, st.max_queue
-        d.kv_budget_bytes, d.kv_free_bytes = st.kv_budget_bytes, st.kv_free_bytes
         d.kv_bytes_per_token = st.kv_bytes_per_token
+        d.polled(st.kv_budget_bytes, st.kv_free_bytes)
         if st.vocab_size:
             self.vocab_size = st.vocab_size
         if st.prefill_tflops > 0 and self.threshold_for is not None:

@@ -161,6 +161,7 @@ class Flow:
         # The decode slot is taken now, so that requests routed in the same instant see it.
         self._reserved = True
         decision.decode.in_flight += 1
+        decision.decode.kv_reserved_here += decision.kv_need_bytes
         ctx.metrics.in_flight.labels(decision.decode.name).set(decision.decode.in_flight)
 
     def release(self) -> None:
@@ -169,6 +170,7 @@ class Flow:
             self._reserved = False
             d = self.decision.decode
             d.in_flight -= 1
+            d.kv_reserved_here -= self.decision.kv_need_bytes
             self.ctx.metrics.in_flight.labels(d.name).set(d.in_flight)
 
     async def collect(self) -> Outcome:
