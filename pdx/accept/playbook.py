@@ -483,6 +483,12 @@ class Playbook(BaseModel):
         "split beside it (advisory: the baseline never decides the verdict)",
     )
     seed: int = 0
+    smoke_scale: bool = Field(
+        default=False,
+        description="run every cell briefly on a small box: steps of at most 8 s, lengths "
+        "x 1/32 (outputs x 1/8), users sqrt(users), validity and replays scaled "
+        "(pdx.accept.smoke; applied once, when the playbook is loaded)",
+    )
 
     @model_validator(mode="after")
     def _conditions_exist(self) -> Playbook:
@@ -615,7 +621,12 @@ def step_criteria(pb: Playbook, step: Step) -> Criteria:
 def load_playbook(path: Path | str, *, dotted: list[str] | None = None) -> Playbook:
     """Read, override (``--set a.b=v``) and validate a playbook; one line per problem on error."""
     data = read_yaml(path)
-    return build_config(Playbook, source=str(path), base=data, dotted=dotted)
+    pb = build_config(Playbook, source=str(path), base=data, dotted=dotted)
+    if pb.smoke_scale:
+        from pdx.accept.smoke import smoke_scaled
+
+        pb = smoke_scaled(pb)
+    return pb
 
 
 def playbook_dict(pb: Playbook) -> dict[str, Any]:

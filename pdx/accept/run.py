@@ -108,6 +108,7 @@ class AcceptRun:
         self.topology: Topology | None = None
         self.gates: GateContext | None = None
         self.kv_measured: dict[str, Any] | None = None
+        self.kv_sizing: dict[str, Any] | None = None  # pre-flight's KV need and budgets
         self.local_nets: set[str] = set()  # conditions whose requests all go pdx_route: local
         self.baseline_outcomes: list[StepOutcome] = []
         self.baseline_rows: list[dict[str, Any]] = []
@@ -129,6 +130,7 @@ class AcceptRun:
         complete = False
         self._stop_on_sigterm()
         try:
+            self._size_kv()
             self.stage(f"target: starting ({self._target_kind()})")
             await self._start_target()
             self.stage(f"target: ready at {self.url}")
@@ -215,13 +217,26 @@ class AcceptRun:
         self.target_info = started.info
 
     def _with_audit(self, t: Any) -> Any:
-        """The deploy writes its KV store audit and decode's request records under raw/."""
+        """The deploy writes its KV store audit and decode's request records under raw/, with
+        the KV budgets the pre-flight sized (:meth:`_size_kv`)."""
+        budgets = (self.kv_sizing or {}).get("deploy_set", [])
         if any(item.startswith("kv.audit_dir=") for item in t.deploy_set):
-            return t
+            return t.model_copy(update={"deploy_set": [*t.deploy_set, *budgets]})
         audit = (self.raw_dir / "kv-audit").resolve()
         engines = (self.raw_dir / "engines").resolve()  # engine: vllm keeps instance logs here
-        extra = [f"kv.audit_dir={audit}", f"vllm.log_dir={engines}"]
+        extra = [f"kv.audit_dir={audit}", f"vllm.log_dir={engines}", *budgets]
         return t.model_copy(update={"deploy_set": [*t.deploy_set, *extra]})
+
+    def _size_kv(self) -> None:
+        """Before anything starts: each step's KV from measure-kv, the deploy's budgets raised
+        to it where the playbook left them, and a run the machine cannot hold stopped here."""
+        from pdx.accept.preflight.budget import size_kv, sizing_lines
+
+        self.kv_sizing = size_kv(self.pb, self.playbook_dir, self.steps)
+        if self.kv_sizing:
+            self.preflight = {"kv_sizing": self.kv_sizing}
+            for line in sizing_lines(self.kv_sizing):
+                self.stage(f"pre-flight: {line}")
 
     def _audit_dirs(self) -> list[Path]:
         if self.pb.target.deploy is None:  # a deployment pdx did not start: what was given
@@ -309,7 +324,7 @@ class AcceptRun:
             return
         from pdx.accept.preflight.kv import measure_kv
 
-        self.preflight = {}
+        self.preflight = self.preflight or {}
         # measure-kv sizes requests even when only the probe was asked for: it gives the demand
         kv = await asyncio.to_thread(measure_kv, self.pb, self.playbook_dir, self._planned_rps())
         if pf.measure_kv:

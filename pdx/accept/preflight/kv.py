@@ -85,6 +85,17 @@ def measure_kv(pb: Playbook, playbook_dir: Path, qps: float) -> dict[str, Any]:
     return {"model": source.name, "dtype": dtype, "model_from": how, "result": result}
 
 
+def kv_bytes_at(pb: Playbook, playbook_dir: Path, seqs: list[int]) -> dict[int, int]:
+    """KV bytes of one request of each length in ``seqs`` (analytic measure-kv on the deployed
+    model, as :func:`measure_kv` sizes it)."""
+    from pdx.kv.report import MeasureOptions
+    from pdx.kv.report import measure_kv as run_measure
+
+    source, dtype, _ = deployed_model(pb, playbook_dir)
+    opts = MeasureOptions(dtype=dtype, seqs=tuple(seqs), **_engine_options(pb, playbook_dir))
+    return {int(r["seq"]): int(r["kv_bytes"]) for r in run_measure(source, opts).requests}
+
+
 def _engine_options(pb: Playbook, playbook_dir: Path) -> dict[str, Any]:
     """measure-kv's --engine/--device/--block-size for a vLLM deploy: the bytes NIXL moves."""
     if pb.preflight.model_preset or pb.target.deploy is None:

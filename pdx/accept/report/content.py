@@ -433,6 +433,10 @@ def preflight_lines(pre: dict[str, Any]) -> list[str]:
             f"- **measure-kv** ({kv['model']}, {kv['dtype']}, from {kv['model_from']}): "
             f"{r['kv_bytes_per_token']:,} B of KV per token; per request {rows}"
         )
+    if pre.get("kv_sizing"):
+        from pdx.accept.preflight.budget import sizing_lines
+
+        lines += [f"- **KV budgets**: {line}" for line in sizing_lines(pre["kv_sizing"])]
     probe = pre.get("probe_link") or {}
     if probe.get("error"):
         lines.append(f"- probe-link: could not run ({probe['error']})")
