@@ -12,7 +12,9 @@ documented rules, so one command runs the whole matrix to a verdict:
   and 4 tokens), users become ``ceil(sqrt(users))`` (1/8/32/64 → 1/3/6/8, still distinct),
   open-loop rates are multiplied by :data:`RATE`; a synthetic model's compute time is
   multiplied by :data:`COMPUTE` (``model.synthetic_time_scale``, unless the playbook sets it),
-  so a 70B-class prefill of a scaled prompt takes what the box can give a cell;
+  so a 70B-class prefill of a scaled prompt takes what the box can give a cell; a
+  ``router.local_prefill_max_tokens`` the playbook sets scales with the lengths, so the cells
+  that ship their KV are the same as at full size;
 - a step is valid with at least :data:`MIN_REQUESTS` requests over half its time at half its
   load, the replay gate sends at most :data:`REPLAYS` requests, the warm-up at most 2, and
   Locust runs in one process.
@@ -26,21 +28,19 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from pdx.accept.playbook import Playbook
-
 STEP_S = 8.0
 IDLE_S = 5.0
 TOKENS = 1 / 32
 OUTPUT = 1 / 8
 RATE = 1 / 8
 COMPUTE = 1 / 32
-MIN_REQUESTS = 5
+MIN_REQUESTS = 3
 REPLAYS = 5
 
 
-def smoke_scaled(pb: Playbook) -> Playbook:
-    """``pb`` with the smoke profile applied (see the module docstring)."""
-    d = pb.model_dump(mode="python")
+def smoke_scaled(d: dict[str, Any]) -> dict[str, Any]:
+    """A validated playbook's data (``model_dump``) with the smoke profile applied (see the
+    module docstring); the caller validates the result again."""
     m = d["matrix"]
     m["input_tokens"] = _distinct(max(16, round(n * TOKENS)) for n in m["input_tokens"])
     m["output_tokens"] = _distinct(max(4, round(n * OUTPUT)) for n in m["output_tokens"])
@@ -69,9 +69,9 @@ def smoke_scaled(pb: Playbook) -> Playbook:
     # first, so that a value the playbook sets itself wins
     d["target"]["deploy_set"] = [
         f"model.synthetic_time_scale={COMPUTE}",
-        *d["target"]["deploy_set"],
+        *(_scaled_threshold(item) for item in d["target"]["deploy_set"]),
     ]
-    return Playbook.model_validate(d)
+    return d
 
 
 def _scale_times(c: dict[str, Any], f: float) -> None:
@@ -100,6 +100,14 @@ def _scaled_cell(cell: dict[str, Any]) -> dict[str, Any]:
     if "rate_rps" in out:
         out["rate_rps"] = float(out["rate_rps"]) * RATE
     return out
+
+
+def _scaled_threshold(item: str) -> str:
+    """``router.local_prefill_max_tokens=N`` times the length scale (what ships stays so)."""
+    key, eq, value = item.partition("=")
+    if key != "router.local_prefill_max_tokens" or not eq or not value.strip().isdigit():
+        return item
+    return f"{key}={max(1, round(int(value) * TOKENS))}"
 
 
 def _distinct(values: Any) -> list[Any]:

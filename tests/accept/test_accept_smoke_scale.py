@@ -27,9 +27,11 @@ def test_smoke_scale_keeps_every_cell_and_shrinks_each() -> None:
     cut = pb.conditions["link-break"]
     assert cut.link_down_at_s == pytest.approx(240 * 8 / 600) and cut.link_down_for_s == 1.0
     assert pb.conditions["idle-60"].idle_s == 5 and pb.conditions["idle-5"].idle_s == 5
-    assert pb.validity.min_requests == 5 and pb.validity.min_duration_s == 4
+    assert pb.validity.min_requests == 3 and pb.validity.min_duration_s == 4
     assert pb.judgement.replay_requests == 5 and pb.load.workers == 0
     assert pb.target.deploy_set[0] == "model.synthetic_time_scale=0.03125"
+    # the full matrix ships prompts of 512 tokens and more: the scaled one, 16 and more
+    assert "router.local_prefill_max_tokens=16" in pb.target.deploy_set
     assert pb.criteria == full.criteria  # thresholds untouched: the samples say what they prove
     own = load_playbook(
         REFERENCE, dotted=["smoke_scale=true", "target.deploy_set=[model.synthetic_time_scale=1]"]

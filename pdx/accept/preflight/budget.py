@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from pdx.accept.playbook import Playbook, Step
-from pdx.errors import PdxError
+from pdx.errors import ConfigError, PdxError
 from pdx.units import human_bytes
 
 HEADROOM = 1.25
@@ -68,7 +68,10 @@ def size_kv(pb: Playbook, playbook_dir: Path, steps: list[Step]) -> dict[str, An
 
     if pb.target.deploy is None or not steps:
         return None
-    cfg = deploy_config(pb.target, playbook_dir)
+    try:
+        cfg = deploy_config(pb.target, playbook_dir)
+    except ConfigError:  # the deploy names its own bad config when it starts
+        return None
     if cfg.engine != "pdx":
         return None
     seqs = sorted({s.input_tokens for s in steps} | {s.input_tokens + s.output_tokens
