@@ -22,14 +22,24 @@ BOTTOM = {"pdx", "pdx._proto", "pdx.config", "pdx.errors", "pdx.netaddr", "pdx.p
           "pdx.tls", "pdx.units"}  # fmt: skip
 ALLOWED: dict[str, set[str]] = {
     "pdx.kv": set(),
-    "pdx.sim": {"pdx.kv"},
+    "pdx.traces": set(),
+    "pdx.sim": {"pdx.kv", "pdx.traces"},
     "pdx.faults": set(),
     "pdx.transfer": {"pdx.kv"},
     "pdx.link": {"pdx.transfer"},
     "pdx.serving": {"pdx.kv", "pdx.transfer", "pdx.faults"},
-    "pdx.accept": {"pdx.kv", "pdx.sim", "pdx.link", "pdx.faults", "pdx.serving", "pdx.transfer"},
+    "pdx.accept": {
+        "pdx.kv",
+        "pdx.traces",
+        "pdx.sim",
+        "pdx.link",
+        "pdx.faults",
+        "pdx.serving",
+        "pdx.transfer",
+    },
     "pdx.cli": {
         "pdx.kv",
+        "pdx.traces",
         "pdx.sim",
         "pdx.faults",
         "pdx.transfer",

@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from pdx.accept.load.section import Load
 from pdx.config import build_config, read_yaml
 from pdx.faults.wan.timeline import WanEvent
 
@@ -88,8 +89,16 @@ class Matrix(BaseModel):
     """The load matrix; each combination (× each network condition) is one step."""
 
     model_config = _Strict
-    input_tokens: list[PositiveInt] = Field(min_length=1)
-    output_tokens: list[PositiveInt] = Field(min_length=1)
+    input_tokens: list[PositiveInt] | None = Field(
+        default=None, min_length=1, description="prompt lengths (not with a trace workload)"
+    )
+    output_tokens: list[PositiveInt] | None = Field(default=None, min_length=1)
+    workload: list[str] | None = Field(
+        default=None,
+        min_length=1,
+        description="trace steps: names from load.workloads, each replayed under every network "
+        "condition (and at each matrix.rate_rps, which sets its pace)",
+    )
     concurrency: list[PositiveInt] | None = Field(default=None, description="closed loop: users")
     rate_rps: list[PositiveFloat] | None = Field(
         default=None, description="open loop: Poisson req/s"
@@ -104,7 +113,15 @@ class Matrix(BaseModel):
 
     @model_validator(mode="after")
     def _one_load_axis(self) -> Matrix:
-        if (self.concurrency is None) == (self.rate_rps is None):
+        if self.workload is not None:  # trace steps: lengths and times come from the trace
+            if self.input_tokens or self.output_tokens or self.concurrency:
+                raise ValueError(
+                    "matrix.workload steps take lengths and load from the trace: leave out "
+                    "input_tokens, output_tokens and concurrency"
+                )
+        elif not self.input_tokens or not self.output_tokens:
+            raise ValueError("set matrix.input_tokens and output_tokens (or a trace workload)")
+        elif (self.concurrency is None) == (self.rate_rps is None):
             raise ValueError("set exactly one of matrix.concurrency or matrix.rate_rps")
         for i, cell in enumerate(self.exclude):
             unknown = sorted(set(cell) - set(CELL_KEYS))
@@ -312,32 +329,6 @@ class Validity(BaseModel):
     )
 
 
-class Load(BaseModel):
-    """How Locust generates the load (it always runs as a separate process)."""
-
-    model_config = _Strict
-    locustfile: str | None = Field(
-        default=None,
-        description="default: the one pdx ships (pdx/accept/load/traffic/locustfile.py)",
-    )
-    workers: Annotated[int, Field(ge=0, le=32)] = Field(
-        default=0, description="Locust worker processes (0 = one local process)"
-    )
-    open_loop_users: PositiveInt = Field(default=4, description="open loop: users sharing the rate")
-    max_inflight: PositiveInt = Field(default=64, description="open loop: in-flight cap per user")
-    prompt_kind: Literal["ids", "text"] = "ids"
-    token_id_max: PositiveInt = Field(
-        default=250, description="prompt token ids drawn from 1..this"
-    )
-    timeout_s: PositiveFloat = 120.0
-    warmup_requests: Annotated[int, Field(ge=0, le=100)] = Field(
-        default=3, description="unmeasured requests sent before the first step"
-    )
-    abort_fraction: Annotated[float, Field(ge=0, lt=1)] = Field(
-        default=0.0, description="share of requests the client cancels after the first token"
-    )
-
-
 class Preflight(BaseModel):
     """Optional measurements taken before the load, included in the report."""
 
@@ -490,8 +481,29 @@ class Playbook(BaseModel):
         "(pdx.accept.smoke; applied once, when the playbook is loaded)",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _one_trace_for_every_step(cls, data: Any) -> Any:
+        """``load.workload`` is the matrix's one trace: ``workloads: {trace: ...}``, replayed
+        in every step (``matrix.workload: [trace]``)."""
+        if not isinstance(data, dict):
+            return data
+        load, matrix = data.get("load"), data.get("matrix")
+        if (isinstance(load, dict) and load.get("workload") and isinstance(matrix, dict)
+                and not matrix.get("workload")):  # fmt: skip
+            data = {**data, "matrix": {**matrix, "workload": ["trace"]},
+                        "load": {**load, "workloads": {**(load.get("workloads") or {}),
+                                                       "trace": load["workload"]}}}  # fmt: skip
+        return data
+
     @model_validator(mode="after")
     def _conditions_exist(self) -> Playbook:
+        unknown = [w for w in self.matrix.workload or [] if w not in self.load.workloads]
+        if unknown:
+            raise ValueError(
+                f"matrix.workload names {unknown} not defined under load.workloads "
+                f"(defined: {sorted(self.load.workloads)})"
+            )
         missing = [n for n in self.matrix.network if n not in self.conditions]
         if missing:
             raise ValueError(
@@ -564,11 +576,18 @@ class Step:
     rate_rps: float | None
     network: str
     duration_s: float
+    # a trace step: the workload's name and the time scale its replay runs at (its lengths
+    # above are the window's longest, its rate the window's mean at that scale)
+    workload: str | None = None
+    time_scale: float | None = None
 
     @property
     def id(self) -> str:
-        """A stable, file-name-safe identifier such as ``s02-in32-out16-c4-link-break``."""
+        """A stable, file-name-safe identifier such as ``s02-in32-out16-c4-link-break`` (a
+        trace step: ``s03-chat-r2.5-normal``)."""
         load = f"c{self.concurrency}" if self.concurrency is not None else f"r{self.rate_rps:g}"
+        if self.workload is not None:
+            return f"s{self.index:02d}-{self.workload}-r{self.rate_rps or 0:.3g}-{self.network}"
         return (
             f"s{self.index:02d}-in{self.input_tokens}-out{self.output_tokens}-{load}-{self.network}"
         )
@@ -580,19 +599,57 @@ class Step:
 
 
 def expand_steps(pb: Playbook) -> list[Step]:
-    """The matrix as an ordered list of steps (network outermost, then in, out, load)."""
+    """The matrix as an ordered list of steps (network outermost, then in, out, load; or
+    network, workload, rate for trace steps)."""
     m = pb.matrix
+    if m.workload is not None:
+        return _trace_steps(pb)
     loads: list[tuple[int | None, float | None]] = (
         [(c, None) for c in m.concurrency]
         if m.concurrency
         else [(None, r) for r in m.rate_rps or []]
     )
-    combos = itertools.product(m.network, m.input_tokens, m.output_tokens, loads)
+    combos = itertools.product(m.network, m.input_tokens or [], m.output_tokens or [], loads)
     kept = [c for c in combos if not any(_matches(cell, *c[:3], *c[3]) for cell in m.exclude)]
     return [
         Step(i, inp, out, conc, rate, net, pb.step_duration_s(net)[0])
         for i, (net, inp, out, (conc, rate)) in enumerate(kept)
     ]
+
+
+def _trace_steps(pb: Playbook) -> list[Step]:
+    """Each workload under each network condition (and each matrix.rate_rps, its pace)."""
+    from pdx.traces.formats import read_trace
+    from pdx.traces.prompts import scaled
+    from pdx.traces.schedule import Window, plan
+
+    m = pb.matrix
+    steps: list[Step] = []
+    for net in m.network:
+        for name in m.workload or []:
+            w = pb.load.workloads[name]
+            trace = read_trace(w.trace, w.format, block_size=w.block_size,
+                               field_name=f"load.workloads.{name}.trace")  # fmt: skip
+            rates: list[float | None] = list(m.rate_rps or []) or [None]
+            for rate in rates:
+                window = Window(w.start_s, w.duration_s, w.max_requests, w.time_scale, rate)
+                planned, scale = plan(trace, window)
+                span = planned[-1].send_s
+                mean = (len(planned) - 1) / span if span > 0 else float(len(planned))
+                steps.append(Step(
+                    index=len(steps),
+                    input_tokens=max(scaled(p.request.input_tokens, w.length_scale)
+                                     for p in planned),
+                    output_tokens=max(scaled(p.request.output_tokens, w.length_scale)
+                                      for p in planned),
+                    concurrency=None,
+                    rate_rps=round(mean, 4),
+                    network=net,
+                    duration_s=pb.step_duration_s(net)[0],
+                    workload=name,
+                    time_scale=scale,
+                ))  # fmt: skip
+    return steps
 
 
 def _matches(
@@ -622,10 +679,13 @@ def load_playbook(path: Path | str, *, dotted: list[str] | None = None) -> Playb
     """Read, override (``--set a.b=v``) and validate a playbook; one line per problem on error."""
     data = read_yaml(path)
     pb = build_config(Playbook, source=str(path), base=data, dotted=dotted)
+    for w in pb.load.workloads.values():  # a trace path is relative to the playbook
+        if not Path(w.trace).is_absolute():
+            w.trace = str(Path(path).resolve().parent / w.trace)
     if pb.smoke_scale:
         from pdx.accept.smoke import smoke_scaled
 
-        pb = smoke_scaled(pb)
+        pb = Playbook.model_validate(smoke_scaled(pb.model_dump(mode="python")))
     return pb
 
 

@@ -30,6 +30,7 @@ from pdx.accept.judge.stats import (
     span_s,
     summarize,
     timeline,
+    trace_summary,
 )
 from pdx.accept.load.locust import LocustRun, read_locust_stats, resolve_locustfile, step_args
 from pdx.accept.load.metrics import Snapshot, delta, scrape
@@ -551,6 +552,8 @@ class AcceptRun:
             summary["gates_not_measured"] = gate.not_measured
         mdelta = delta(before, after) if before.error is None and after.error is None else {}
         derive_rates(summary, mdelta)
+        if step.workload is not None:
+            summary["trace"] = trace_summary(rows, mdelta)
         summary["locust_exit_code"] = locust_rc
         summary["locust_csv"] = read_locust_stats(step_dir / "locust")
         summary["metrics_errors"] = [e for e in (before.error, after.error) if e]

@@ -38,6 +38,9 @@ _ROWS: tuple[tuple[str, str, str], ...] = (
     ("decode_queue_mean", "decode admission queue mean / max", "q"),
     ("decode_batch_mean", "decode batch mean", ""),
     ("local_prefill_requests", "prefilled locally on decode", ""),
+    ("prefix_hit_ratio", "prefix cache hits (of prompt tokens)", "%"),
+    ("kv_shipped_bytes", "KV shipped (uncached tokens)", "B"),
+    ("kv_shipped_bytes_per_request", "KV shipped per shipping request", "B"),
 )
 
 
@@ -52,6 +55,8 @@ def _cell(result: Any, key: str, unit: str) -> str:
         return f"{value:.2f} / {peak}"
     if unit == "s":
         return f"{value:.4g} s"
+    if unit == "B":
+        return f"{value:,.0f} B"
     return f"{value:.4g} {unit}".rstrip()
 
 
@@ -179,7 +184,27 @@ def simulate_cmd(
         None, "--preset", help="Base parameters; default published-illustration when no --config."
     ),
     workload: Path | None = typer.Option(
-        None, "--workload", help="JSONL trace: arrival_s, prompt_tokens, output_tokens."
+        None,
+        "--workload",
+        help="A trace to replay: Mooncake JSONL, BurstGPT CSV or pdx JSONL (arrival_s, "
+        "prompt_tokens, output_tokens; optional session, hash_ids).",
+    ),
+    trace_format: str | None = typer.Option(
+        None, "--format", help="The trace's format: mooncake, burstgpt, pdx or auto (default)."
+    ),
+    length_scale: float | None = typer.Option(
+        None, "--length-scale", help="Trace: multiply every length and the block size."
+    ),
+    time_scale: float | None = typer.Option(
+        None, "--time-scale", help="Trace: multiply every time (0.05 replays 20x faster)."
+    ),
+    max_requests: int | None = typer.Option(
+        None, "--max-requests", help="Trace: at most this many requests (from its start)."
+    ),
+    prefix_cache_blocks: int | None = typer.Option(
+        None,
+        "--prefix-cache-blocks",
+        help="Trace with hash ids: each instance's prefix cache, in blocks (LRU).",
     ),
     requests: int | None = typer.Option(
         None, "--requests", help="Poisson workload: number of requests."
@@ -270,6 +295,10 @@ def simulate_cmd(
         "seed": seed,
         "output_tokens": output_tokens,
         "trace": str(workload) if workload else None,
+        "format": trace_format,
+        "length_scale": length_scale,
+        "time_scale": time_scale,
+        "max_requests": max_requests,
     }
     fitted = None
     if calibrate is not None:
@@ -326,6 +355,7 @@ _CONFIG_FLAGS = (
     "max_decode_batch",
     "decode_kv_budget_bytes",
     "chunked_prefill_tokens",
+    "prefix_cache_blocks",
     "slo_ttft_s",
     "slo_tpot_s",
 )

@@ -27,7 +27,28 @@ class WorkloadConfig(BaseModel):
     prompt_tokens: list[int] = Field(default_factory=lambda: [4000, 16000, 32000, 64000])
     prompt_weights: list[float] = Field(default_factory=lambda: [3.0, 4.0, 2.0, 1.0])
     output_tokens: int = Field(512, gt=0, description="output tokens per request")
-    trace: str | None = Field(None, description="JSONL trace (arrival_s, prompt_tokens, ...)")
+    trace: str | None = Field(
+        None, description="a trace to replay: Mooncake JSONL, BurstGPT CSV or pdx JSONL"
+    )
+    format: Literal["auto", "mooncake", "burstgpt", "pdx"] = Field(
+        default="auto", description="the trace's format (auto: from its extension and first line)"
+    )
+    block_size: int | None = Field(
+        default=None, gt=0, description="tokens per hash id of the trace (default 512, Mooncake's)"
+    )
+    length_scale: float = Field(
+        default=1.0, gt=0, description="multiplies every length of the trace and its block size"
+    )
+    time_scale: float = Field(default=1.0, gt=0, description="multiplies every time of the trace")
+    start_s: float = Field(
+        default=0.0, ge=0, description="the window starts this long into the trace"
+    )
+    duration_s: float | None = Field(
+        default=None, gt=0, description="the window's length (trace time)"
+    )
+    max_requests: int | None = Field(
+        default=None, gt=0, description="at most this many of the window"
+    )
 
     @model_validator(mode="after")
     def _mix_matches(self) -> WorkloadConfig:
@@ -86,6 +107,13 @@ class SimConfig(BaseModel):
         description="stall: every round trip's worth of data that saw a loss costs one more "
         "round trip; pipelined: link_bytes_per_s is a goodput measured on the lossy path "
         "(losses are repaired while data flows), only a loss in the last round trip costs one",
+    )
+    prefix_cache_blocks: int | None = Field(
+        None,
+        gt=0,
+        description="with a trace that has hash ids: each prefill and decode instance keeps a "
+        "prefix cache of this many blocks (LRU); a prefill computes only what its instance "
+        "lacks, and only what the decode instance lacks crosses the link",
     )
     kv_overlap: Literal["off", "layerwise"] = Field(
         "off",

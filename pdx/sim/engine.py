@@ -19,6 +19,7 @@ import numpy as np
 
 from pdx.sim.config import Mode, SimConfig
 from pdx.sim.link import LinkModel, Transfer
+from pdx.sim.prefix import PrefixCaches
 from pdx.sim.workload import Workload
 
 ARRIVAL, PREFILL_DONE, READY, DECODE = 0, 1, 2, 3  # also the tie order at equal times
@@ -91,6 +92,8 @@ class EngineTrace:
     first_token_s: list[float] = field(default_factory=list)
     second_token_s: list[float] = field(default_factory=list)
     link_time_s: list[float] = field(default_factory=list)
+    cached_tokens: list[int] = field(default_factory=list)  # prefix its prefill found cached
+    shipped_tokens: list[int] = field(default_factory=list)  # tokens whose KV crossed the link
     step_s: list[float] = field(default_factory=list)
     step_count: list[int] = field(default_factory=list)
     step_batch: list[int] = field(default_factory=list)
@@ -129,9 +132,15 @@ class Engine:
             first_token_s=[nan] * n,
             second_token_s=[nan] * n,
             link_time_s=[nan] * n,
+            cached_tokens=[0] * n,
+            shipped_tokens=[0] * n,
         )
         count = cfg.colocated_instances if mode == "colocated" else cfg.decode_instances
         self.insts = [_Instance(i) for i in range(count)]
+        self.caches = PrefixCaches(
+            workload.hash_ids, workload.block_size, cfg.prefix_cache_blocks,
+            cfg.prefill_instances, count,
+        )  # fmt: skip
         self.load = [0] * count  # requests routed to each instance and not finished
         self.pool_free: list[tuple[float, int]] = [(0.0, s) for s in range(cfg.prefill_instances)]
         self.link = LinkModel(cfg, seed=cfg.workload.seed + 1)
@@ -239,7 +248,7 @@ class Engine:
             free_at, server = heapq.heappop(self.pool_free)
             there = t + self.half_rtt_s
             start = free_at if free_at > there else there
-            dur = self._prefill_s(rid, prompt)
+            dur = self._prefill_s(rid, prompt - self._cached(self.caches.prefill, server, rid))
             end = start + dur
             heapq.heappush(self.pool_free, (end, server))
             tr.prefill_start_s[rid], tr.prefill_end_s[rid] = start, end
@@ -250,16 +259,26 @@ class Engine:
             inst.waiting.append(rid)
             self._interrupt(inst, t)
 
+    def _cached(self, caches: list, idx: int, rid: int) -> int:  # type: ignore[type-arg]
+        """The prefix of ``rid`` instance ``idx``'s cache holds (recorded); then it holds all."""
+        hit = self.caches.hit(caches, idx, rid, self.tr.prompt_tokens[rid])
+        self.tr.cached_tokens[rid] = hit
+        self.caches.store(caches, idx, rid)
+        return hit
+
     def _prefill_s(self, rid: int, prompt: int) -> float:
-        """How long one request's prefill computes (FLOPs, fixed cost, its spread factor)."""
-        dur = prompt * self.prefill_s_per_token + self.prefill_fixed_s
+        """How long one request's prefill computes (FLOPs, fixed cost, its spread factor) for
+        ``prompt`` uncached tokens (at least one: the last token is always computed)."""
+        dur = max(1, prompt) * self.prefill_s_per_token + self.prefill_fixed_s
         return dur * self.prefill_factor[rid] if self.prefill_factor is not None else dur
 
     def _local_prefill(self, inst: _Instance, rid: int, t: float) -> None:
         """FIFO prefill on the instance itself; decode steps freeze while it has work."""
         tr = self.tr
         start = inst.prefill_free_at if inst.prefill_free_at > t else t
-        dur = self._prefill_s(rid, tr.prompt_tokens[rid])
+        dur = self._prefill_s(
+            rid, tr.prompt_tokens[rid] - self._cached(self.caches.decode, inst.idx, rid)
+        )
         inst.prefill_free_at = start + dur
         inst.prefill_busy_s += dur
         tr.prefill_start_s[rid], tr.prefill_end_s[rid] = start, start + dur
@@ -268,7 +287,8 @@ class Engine:
 
     def _chunk_enqueue(self, inst: _Instance, rid: int, t: float) -> None:
         was_empty = not inst.chunk_queue
-        inst.chunk_queue.append([rid, self.tr.prompt_tokens[rid]])
+        cached = self._cached(self.caches.decode, inst.idx, rid)
+        inst.chunk_queue.append([rid, max(1, self.tr.prompt_tokens[rid] - cached)])
         if not inst.running:
             self._start_segment(inst, t)
         elif was_empty:
@@ -290,7 +310,11 @@ class Engine:
         inst = self._least_loaded()
         self.load[inst.idx] += 1
         inst.inflight += 1
-        xfer = self.link.transfer(tr.prompt_tokens[rid])
+        # only what the decode instance lacks crosses the link
+        held = self.caches.hit(self.caches.decode, inst.idx, rid, tr.prompt_tokens[rid])
+        self.caches.store(self.caches.decode, inst.idx, rid)
+        tr.shipped_tokens[rid] = tr.prompt_tokens[rid] - held
+        xfer = self.link.transfer(tr.shipped_tokens[rid])
         if self.cfg.link_sharing == "fair":
             asked = t + xfer.encode_s + self.half_rtt_s
             tr.transfer_start_s[rid] = asked

@@ -92,6 +92,10 @@ class ModeResult:
     decode_steps: int
     local_prefill_requests: int
     events: int
+    # a trace with hash ids and prefix_cache_blocks: the prefix its prefill found cached
+    prefix_hit_ratio: float | None = None
+    kv_shipped_bytes: float | None = None  # raw KV of the shipped (uncached) tokens
+    kv_shipped_bytes_per_request: float | None = None  # over the requests that shipped any
 
 
 def _latency(tr: EngineTrace, cfg: SimConfig) -> dict[str, np.ndarray]:
@@ -193,4 +197,20 @@ def summarize(tr: EngineTrace, cfg: SimConfig) -> ModeResult:
         events=tr.events,
         **_itl(tr),
         **_link(tr, makespan),
+        **_prefix(tr, cfg),
     )
+
+
+def _prefix(tr: EngineTrace, cfg: SimConfig) -> dict[str, Any]:
+    """What the prefix caches saved (the hit ratio) and what crossed the link instead."""
+    prompt = float(sum(tr.prompt_tokens))
+    out: dict[str, Any] = {
+        "prefix_hit_ratio": sum(tr.cached_tokens) / prompt if cfg.prefix_cache_blocks else None
+    }
+    if tr.mode == "disaggregated":
+        shipped = [s for s, local in zip(tr.shipped_tokens, tr.local_prefill, strict=True)
+                   if not local and s > 0]  # fmt: skip
+        total = sum(shipped) * cfg.kv_bytes_per_token
+        out["kv_shipped_bytes"] = total
+        out["kv_shipped_bytes_per_request"] = total / len(shipped) if shipped else 0.0
+    return out

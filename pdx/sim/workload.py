@@ -1,17 +1,12 @@
-"""Workloads: Poisson arrivals with a prompt-length mix, or a JSONL trace to replay."""
+"""Workloads: Poisson arrivals with a prompt-length mix, or a trace to replay (pdx.traces)."""
 
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from pdx.config import validation_problems
-from pdx.errors import ConfigError, InputError
 from pdx.sim.config import WorkloadConfig
 
 
@@ -23,6 +18,8 @@ class Workload:
     prompt_tokens: list[int]
     output_tokens: list[int]
     source: str
+    hash_ids: list[tuple[int, ...]] | None = None  # per request, its blocks (a trace's reuse)
+    block_size: int = 0  # tokens per hash id
 
     def __len__(self) -> int:
         return len(self.arrival_s)
@@ -51,47 +48,29 @@ def poisson_workload(cfg: WorkloadConfig) -> Workload:
     return Workload(arrival, prompt, output, source)
 
 
-class TraceRecord(BaseModel):
-    """One line of a replay trace. Extra keys (ids, timestamps) are ignored."""
+def load_trace(path: Path | str, cfg: WorkloadConfig | None = None) -> Workload:
+    """A trace (any format :mod:`pdx.traces` reads) as a workload: the window ``cfg`` names,
+    its lengths and block size times ``length_scale``, its times times ``time_scale``."""
+    from pdx.traces.formats import read_trace
+    from pdx.traces.prompts import scaled
+    from pdx.traces.schedule import Window, plan
 
-    model_config = ConfigDict(extra="ignore")
-
-    arrival_s: float = Field(ge=0)
-    prompt_tokens: int = Field(gt=0)
-    output_tokens: int = Field(gt=0)
-
-
-def load_trace(path: Path | str) -> Workload:
-    """Read a JSONL trace; every problem names its line. Records are sorted by arrival."""
-    p = Path(path)
-    if not p.is_file():
-        raise InputError("workload", str(p), "an existing JSONL trace file")
-    rows: list[tuple[float, int, int]] = []
-    problems: list[str] = []
-    with p.open() as fh:
-        for lineno, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                rec = TraceRecord.model_validate(json.loads(line))
-            except json.JSONDecodeError as exc:
-                problems.append(f"line {lineno}: not JSON ({exc.msg})")
-            except ValidationError as exc:
-                problems.extend(f"line {lineno}: {msg}" for msg in validation_problems(exc))
-            else:
-                rows.append((rec.arrival_s, rec.prompt_tokens, rec.output_tokens))
-            if len(problems) >= 10:
-                break
-    if problems:
-        raise ConfigError(str(p), problems)
-    if not rows:
-        raise ConfigError(str(p), ["the trace holds no requests"])
-    rows.sort(key=lambda r: r[0])
+    c = cfg or WorkloadConfig.model_validate({})
+    trace = read_trace(path, c.format, block_size=c.block_size, field_name="workload")
+    window = Window(c.start_s, c.duration_s, c.max_requests, c.time_scale)
+    planned, _ = plan(trace, window)
+    t0 = planned[0].request.arrival_s * c.time_scale  # arrivals keep the trace's own offset
+    ls = c.length_scale
     return Workload(
-        [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], f"trace {p.name}"
+        [t0 + p.send_s for p in planned],
+        [scaled(p.request.input_tokens, ls) for p in planned],
+        [scaled(p.request.output_tokens, ls) for p in planned],
+        f"trace {Path(path).name}",
+        hash_ids=[p.request.hash_ids for p in planned] if trace.has_reuse else None,
+        block_size=scaled(trace.block_size, ls),
     )
 
 
 def build_workload(cfg: WorkloadConfig) -> Workload:
     """The trace when one is named, else the Poisson workload."""
-    return load_trace(cfg.trace) if cfg.trace else poisson_workload(cfg)
+    return load_trace(cfg.trace, cfg) if cfg.trace else poisson_workload(cfg)

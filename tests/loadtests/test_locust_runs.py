@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import itertools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -219,3 +220,53 @@ def test_master_with_two_workers(sse_server, tmp_path: Path) -> None:
     assert all(not r["ok"] and r["error"].startswith("unfinished") for r in stopped)
     assert all(r["ok"] and r["output_tokens"] == 4 for r in recs if not r["unfinished"])
     assert int(_stats(tmp_path / "dist")["e2e"]["Request Count"]) > 0
+
+
+@pytest.mark.slow
+def test_a_trace_is_replayed_at_its_own_times_with_its_reuse(sse_server, tmp_path: Path) -> None:
+    """Arrival fidelity: each request leaves at its scaled trace time (the send lag bounded),
+    carries its line, session and ideal cached prefix, and shares the blocks its ids share."""
+    from pdx.traces.formats import read_trace
+    from pdx.traces.synth import Conversations, make_trace, write_trace
+
+    shape = Conversations(sessions=12, turns=3, system_blocks=1, turn_blocks=1, rate=3.0,
+                          think_s=1.0, output_tokens=8)  # fmt: skip
+    trace_path = tmp_path / "chat.jsonl"
+    write_trace(make_trace(shape), trace_path)
+    trace = read_trace(trace_path)
+    scale = 0.5
+    out = _locust(
+        "--headless", "-u", "1", "-r", "1",
+        "--run-time", f"{math.ceil(trace.duration_s * scale) + 3}s",
+        "--host", sse_server.url, "--pdx-records", str(tmp_path / "rec"),
+        "--pdx-mode", "trace", "--pdx-trace", str(trace_path), "--pdx-length-scale", "0.03125",
+        "--pdx-time-scale", str(scale), "--pdx-keep-prompts", "100",
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    recs = sorted(_records(tmp_path / "rec"), key=lambda r: r["trace_line"])
+    assert len(recs) == len(trace.requests) and all(r["ok"] for r in recs)
+    by_line = {r.line: r for r in trace.requests}
+    t0 = min(r["t_intended_s"] for r in recs)
+    first = trace.requests[0].arrival_s
+    for r in recs:
+        req = by_line[r["trace_line"]]
+        # the intended send time is the trace's, scaled, from the replay's start
+        assert r["t_intended_s"] - t0 == pytest.approx((req.arrival_s - first) * scale, abs=0.01)
+        assert r["input_len"] == req.input_tokens // 32 and r["mode"] == "trace"
+        assert r["session"] == f"s{int(r['session'][1:])}"
+    lags = sorted(r["queue_ms"] for r in recs)
+    assert lags[len(lags) // 2] < 20 and lags[int(0.99 * (len(lags) - 1))] < 100, lags
+    ideal = sum(r["ideal_cached_tokens"] for r in recs) / sum(r["input_len"] for r in recs)
+    from pdx.traces.synth import known_ideal_hit_ratio
+
+    assert ideal == pytest.approx(known_ideal_hit_ratio(shape))
+    # a session's later turn starts with its earlier turn's tokens (kept prompts)
+    kept = {r["trace_line"]: r["prompt_ids"] for r in recs if r["prompt_ids"]}
+    turns: dict[str, list[dict]] = {}
+    for r in recs:
+        turns.setdefault(r["session"], []).append(r)
+    pairs = [(a, b) for ts in turns.values() for a, b in itertools.pairwise(ts)
+             if a["trace_line"] in kept and b["trace_line"] in kept]  # fmt: skip
+    assert pairs
+    for a, b in pairs:
+        assert kept[b["trace_line"]][: a["input_len"]] == kept[a["trace_line"]]

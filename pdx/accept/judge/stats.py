@@ -14,6 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from pdx.accept.load.metrics import split_key
+
 FORMULAS: dict[str, str] = {
     "margin": "threshold − measured for a maximum, measured − threshold for a minimum "
     "(positive = room to spare)",
@@ -239,6 +241,55 @@ def summarize(rows: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
         "usage_from_server": sum(1 for r in ok if r.get("usage_source") == "server"),
         **xfer,
     }
+
+
+def trace_summary(rows: list[dict[str, Any]], mdelta: dict[str, float]) -> dict[str, Any] | None:
+    """A trace step: the trace's ideal prefix hit ratio beside what the engine reported, the
+    KV bytes that crossed per request, and how late each request left (arrival fidelity).
+
+    ``engine_hit_ratio`` is vLLM's own ``prefix_cache_hits / prefix_cache_queries`` over the
+    step, per instance (``pdx_instance``); ``reported_cached_ratio`` the cached prompt tokens
+    the responses reported (``usage.prompt_tokens_details.cached_tokens``) over their prompts.
+    """
+    traced = [r for r in rows if r.get("trace_line") is not None and not r.get("unfinished")]
+    if not traced:
+        return None
+    prompt = sum(int(r["input_len"]) for r in traced)
+    ideal = sum(int(r.get("ideal_cached_tokens") or 0) for r in traced)
+    told = [r for r in traced if r.get("cached_tokens") is not None]
+    shipped = [int((r.get("pdx") or {}).get("kv_bytes") or 0) for r in traced
+               if (r.get("pdx") or {}).get("route") == "disaggregated"]  # fmt: skip
+    return {
+        "requests": len(traced),
+        "sessions": len({r.get("session") for r in traced}),
+        "ideal_hit_ratio": ideal / prompt if prompt else None,
+        "reported_cached_ratio": (
+            sum(int(r["cached_tokens"]) for r in told) / sum(int(r["input_len"]) for r in told)
+            if told
+            else None
+        ),
+        "reported_requests": len(told),
+        "engine_hit_ratio": _engine_hit_ratios(mdelta),
+        "kv_bytes_total": sum(shipped),
+        "kv_bytes_per_request": sum(shipped) / len(shipped) if shipped else None,
+        "send_lag_ms": distribution([float(r.get("queue_ms") or 0.0) for r in traced]),
+    }
+
+
+def _engine_hit_ratios(mdelta: dict[str, float]) -> dict[str, float]:
+    """vLLM's prefix cache hits / queries (tokens) over the step, per engine instance."""
+    hits: dict[str, float] = {}
+    queries: dict[str, float] = {}
+    for key, value in mdelta.items():
+        name, labels = split_key(key)
+        instance = labels.get("pdx_instance")
+        if instance is None:
+            continue
+        if name == "vllm:prefix_cache_hits_total":
+            hits[instance] = hits.get(instance, 0.0) + value
+        elif name == "vllm:prefix_cache_queries_total":
+            queries[instance] = queries.get(instance, 0.0) + value
+    return {k: round(hits.get(k, 0.0) / q, 6) for k, q in sorted(queries.items()) if q > 0}
 
 
 def timeline(rows: list[dict[str, Any]], t0_s: float, bin_s: float = 1.0) -> list[dict[str, Any]]:

@@ -7,4 +7,4 @@ before and after each step), ``resources`` (CPU and memory of the processes unde
 Nothing is imported here, so Locust's gevent-patched process loads only ``traffic``.
 """
 
-__all__ = ["locust", "metrics", "resources", "traffic", "warmup"]
+__all__ = ["locust", "metrics", "resources", "section", "traffic", "warmup"]

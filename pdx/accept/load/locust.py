@@ -40,6 +40,8 @@ def resolve_locustfile(load: Load, playbook_dir: Path) -> Path:
 def step_args(pb: Playbook, step: Step, url: str, records_dir: Path) -> list[str]:
     """The ``--pdx-*`` and load options one step needs (shared by master and workers)."""
     users = step.concurrency if step.concurrency is not None else pb.load.open_loop_users
+    if step.workload is not None:
+        users = 1  # one user sends the whole window, each request on its own greenlet
     args = [
         "--headless",
         "-u",
@@ -76,9 +78,29 @@ def step_args(pb: Playbook, step: Step, url: str, records_dir: Path) -> list[str
         # Prompts are kept for a sample of each user's requests, enough to replay from.
         keep = math.ceil(2 * pb.judgement.replay_requests / users) + 1
         args += ["--pdx-keep-prompts", str(keep)]
+    if step.workload is not None:
+        return [*args, *trace_args(pb, step)]
     if step.rate_rps is not None:
         args += ["--pdx-mode", "open", "--pdx-rate", f"{step.rate_rps:g}"]
         args += ["--pdx-max-inflight", str(pb.load.max_inflight)]
+    return args
+
+
+def trace_args(pb: Playbook, step: Step) -> list[str]:
+    """A trace step: one user replays the window at the step's time scale, open loop."""
+    assert step.workload is not None
+    w = pb.load.workloads[step.workload]
+    args = ["--pdx-mode", "trace", "--pdx-trace", w.trace, "--pdx-trace-format", w.format,
+            "--pdx-length-scale", f"{w.length_scale!r}",
+            "--pdx-time-scale", f"{step.time_scale or w.time_scale!r}",
+            "--pdx-trace-start-s", f"{w.start_s!r}", "--pdx-trace-salt", str(w.salt),
+            "--pdx-max-inflight", str(pb.load.max_inflight)]  # fmt: skip
+    if w.block_size:
+        args += ["--pdx-trace-block-size", str(w.block_size)]
+    if w.duration_s:
+        args += ["--pdx-trace-duration-s", f"{w.duration_s!r}"]
+    if w.max_requests:
+        args += ["--pdx-trace-max-requests", str(w.max_requests)]
     return args
 
 

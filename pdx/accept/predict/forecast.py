@@ -63,6 +63,18 @@ def _link(report: StepReport, baseline: dict[str, Any] | None) -> tuple[dict[str
     return dict((baseline or {}).get("summary") or {}), "the pre-flight baseline probe"
 
 
+def _step_trace(pb: Playbook, step: Step) -> tuple[Any, int]:
+    """A trace step's trace and its scaled block size (None, 0 for other steps)."""
+    if step.workload is None:
+        return None, 0
+    from pdx.traces.formats import read_trace
+    from pdx.traces.prompts import scaled
+
+    w = pb.load.workloads[step.workload]
+    trace = read_trace(w.trace, w.format, block_size=w.block_size)
+    return trace, scaled(trace.block_size, w.length_scale)
+
+
 def predict_run(
     pb: Playbook,
     playbook_dir: Path,
@@ -96,7 +108,8 @@ def predict_run(
         fields = sim_fields(own, model, link, facts) if link else None
         if fields is not None and engine is not None:
             fields.update(engine.pull_fields())
-        pred = predict_step(fields, records, link_from, conf, tol)
+        trace, block = _step_trace(pb, step)
+        pred = predict_step(fields, records, link_from, conf, tol, trace, block)
         pred.model["compute_from"] = compute_from
         if engine is not None:
             pred.model["pull_fitted_on"] = engine.fitted_on

@@ -53,6 +53,9 @@ class DeployFacts:
     codec: str
     congestion_control: str
     engine: str = "pdx"
+    # blocks of prefix cache per instance the engine keeps (vLLM: its KV cache over
+    # block size × bytes per token; pdx's own pair keeps none), for trace steps
+    prefix_cache_blocks: int | None = None
 
 
 def deploy_facts(pb: Playbook, playbook_dir: Path) -> DeployFacts:
@@ -61,6 +64,9 @@ def deploy_facts(pb: Playbook, playbook_dir: Path) -> DeployFacts:
     from pdx.serving.deploy_config import local_prefill_threshold
 
     cfg = deploy_config(pb.target, playbook_dir)
+    blocks = None
+    if cfg.engine == "vllm" and cfg.vllm.kv_cache_bytes:
+        blocks = _vllm_cache_blocks(pb, playbook_dir, cfg)
     return DeployFacts(
         prefill_instances=max(1, cfg.prefill.count),
         decode_instances=cfg.decode.count,
@@ -71,7 +77,20 @@ def deploy_facts(pb: Playbook, playbook_dir: Path) -> DeployFacts:
         codec=cfg.kv.codec,
         congestion_control=cfg.kv.congestion_control,
         engine=cfg.engine,
+        prefix_cache_blocks=blocks,
     )
+
+
+def _vllm_cache_blocks(pb: Playbook, playbook_dir: Path, cfg: Any) -> int | None:
+    """Blocks of prefix cache one vLLM instance keeps: its KV cache over a block's bytes."""
+    from pdx.accept.preflight.kv import kv_bytes_at
+
+    block = cfg.vllm.block_size or 16  # vLLM's default on CPU and GPU
+    try:
+        per_block = kv_bytes_at(pb, playbook_dir, [block])[block]
+    except Exception:  # the model cannot be sized: no cache modelled
+        return None
+    return max(1, int(cfg.vllm.kv_cache_bytes // max(1, per_block)))
 
 
 def goodput_bps(link: dict[str, Any], streams: int) -> float | None:
@@ -108,12 +127,15 @@ def sim_fields(
         "max_decode_batch": facts.max_batch,
         # the router prefills locally below its threshold; the simulator at or below its own
         "local_prefill_max_tokens": max(0, facts.local_prefill_max_tokens - 1),
+        "prefix_cache_blocks": facts.prefix_cache_blocks,
         "modes": ["disaggregated"],
     }
 
 
-def step_workload(records: list[dict[str, Any]]) -> Any:
-    """The step's requests as a simulator trace: intended send times, prompt and output."""
+def step_workload(records: list[dict[str, Any]], trace: Any = None, block_size: int = 0) -> Any:
+    """The step's requests as a simulator trace: intended send times, prompt and output; for a
+    replayed ``trace`` also each request's hash ids (by its trace line) and the (scaled)
+    ``block_size`` they count in, so the simulator's prefix caches see the trace's reuse."""
     from pdx.sim.workload import Workload
 
     rows = [r for r in records if not r.get("unfinished") and r.get("input_len")]
@@ -121,11 +143,17 @@ def step_workload(records: list[dict[str, Any]]) -> Any:
         return None
     t0 = min(float(r["t_intended_s"]) for r in rows)
     rows.sort(key=lambda r: float(r["t_intended_s"]))
+    ids = None
+    if trace is not None and trace.has_reuse:
+        by_line = {req.line: req.hash_ids for req in trace.requests}
+        ids = [by_line.get(int(r.get("trace_line") or 0), ()) for r in rows]
     return Workload(
         [float(r["t_intended_s"]) - t0 for r in rows],
         [int(r["input_len"]) for r in rows],
         [max(1, int(r.get("output_tokens") or r.get("output_len_requested") or 1)) for r in rows],
         "the step's requests",
+        hash_ids=ids,
+        block_size=block_size if ids else 0,
     )
 
 
@@ -252,9 +280,11 @@ def predict_step(
     link_from: str,
     confidence: float,
     tol_pct: float,
+    trace: Any = None,
+    block_size: int = 0,
 ) -> StepPrediction:
     """Simulate one step and compare; a step the simulator cannot model says why."""
-    workload = step_workload(records)
+    workload = step_workload(records, trace, block_size)
     model: dict[str, Any] = {"link_from": link_from, "fields": fields}
     missing = [k for k in ("prefill_flops", "decode_hbm_bytes_per_s")
                if fields is not None and k not in fields]  # fmt: skip

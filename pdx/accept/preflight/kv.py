@@ -10,7 +10,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdx.accept.playbook import Playbook, Target
+from pdx.accept.playbook import Playbook, Target, expand_steps
 from pdx.errors import PdxError
 from pdx.serving.backends.presets import TINY_PRESETS, tiny_config_json
 
@@ -71,7 +71,7 @@ def measure_kv(pb: Playbook, playbook_dir: Path, qps: float) -> dict[str, Any]:
 
     try:
         source, dtype, how = deployed_model(pb, playbook_dir)
-        seqs = tuple(sorted(set(pb.matrix.input_tokens)))
+        seqs = tuple(sorted({s.input_tokens for s in expand_steps(pb)}))
         link = LinkParams(
             qps=max(qps, 0.001), link_gbps=pb.preflight.link_gbps, prefill_tflops=400.0
         )

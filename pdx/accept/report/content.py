@@ -494,6 +494,36 @@ def _with_interval(d: dict[str, Any], unit: str = " ms") -> str:
     return f"{d['value']:.4g}{unit}{span}"
 
 
+TRACE_HEADERS = ["step", "requests", "sessions", "ideal hit", "reported cached",
+                 "engine hit (vLLM)", "KV B / request", "send lag p50 / p99 ms"]  # fmt: skip
+
+
+def trace_section(steps: list[StepReport]) -> Section:
+    """Trace steps: the trace's ideal prefix hit ratio beside what the engine saw."""
+
+    def pct(v: float | None) -> str:
+        return "—" if v is None else f"{100 * v:.1f} %"
+
+    rows = []
+    for s in steps:
+        tr = s.summary["trace"]
+        engine = ", ".join(f"{k} {pct(v)}" for k, v in tr["engine_hit_ratio"].items()) or "—"
+        lag = tr["send_lag_ms"]
+        rows.append([s.id, str(tr["requests"]), str(tr["sessions"]), pct(tr["ideal_hit_ratio"]),
+                     pct(tr["reported_cached_ratio"]), engine,
+                     "—" if tr["kv_bytes_per_request"] is None
+                     else f"{tr['kv_bytes_per_request']:,.0f}",
+                     f"{_num(lag.get('p50'), '.1f')} / {_num(lag.get('p99'), '.1f')}"])  # fmt: skip
+    lines = [
+        "Each request carries its trace line; the ideal hit ratio is what an infinite prefix "
+        "cache that started empty would hold of the replayed window (pdx trace stats); the "
+        "engine's are its own counters over the step; KV B / request is what crossed the link "
+        "per disaggregated request; the send lag is how late each request left after its "
+        "scaled trace time."
+    ]
+    return ("Trace replay", lines, TRACE_HEADERS, rows)
+
+
 def extra_sections(report: Report) -> list[Section]:
     """The sections a search, a colocated baseline or loose thresholds add to a report."""
     from pdx.accept.search.limit import limit_text
@@ -549,6 +579,9 @@ def extra_sections(report: Report) -> list[Section]:
         if b.get("capacity"):
             lines.append(b["capacity"])
         out.append(("Split vs colocated", lines, BASELINE_HEADERS, rows))
+    traced = [s for s in report.steps if s.summary.get("trace")]
+    if traced:
+        out.append(trace_section(traced))
     from pdx.accept.report.engine import engine_section
 
     engine = engine_section(report)

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdx.accept.judge import criteria as judge
-from pdx.accept.playbook import Playbook, Step
+from pdx.accept.playbook import Playbook, Step, expand_steps
 from pdx.accept.run import AcceptRun, StageFn, StepOutcome, report_dir_for
 from pdx.accept.search.limit import (
     MAX_PROBES,
@@ -105,7 +105,11 @@ class SearchRun(AcceptRun):
         m = self.pb.matrix
         conc = m.concurrency[0] if m.concurrency else None
         rate = m.rate_rps[0] if m.rate_rps else None
-        tpl = Step(0, m.input_tokens[0], m.output_tokens[0], conc, rate, "", m.duration_s)
+        if m.workload:  # a trace: its first step; a rate search paces its replay
+            tpl = expand_steps(self.pb)[0]
+        else:
+            assert m.input_tokens and m.output_tokens  # the matrix's validator says so
+            tpl = Step(0, m.input_tokens[0], m.output_tokens[0], conc, rate, "", m.duration_s)
         nets = m.network if self.axis.param in ("rate", "concurrency") else m.network[:1]
         if self.pb.baseline == "colocated":  # each search again with every request local
             from pdx.accept.judge.baseline import twin_name
@@ -126,7 +130,11 @@ class SearchRun(AcceptRun):
         index = self._index
         if not dry:
             self._index += 1
-        return Step(index, tpl.input_tokens, tpl.output_tokens, conc, rate, net, duration)
+        scale = tpl.time_scale
+        if tpl.workload is not None and p == "rate" and tpl.rate_rps:
+            scale = (tpl.time_scale or 1.0) * tpl.rate_rps / value  # the window at this rate
+        return Step(index, tpl.input_tokens, tpl.output_tokens, conc, rate, net, duration,
+                    workload=tpl.workload, time_scale=scale)  # fmt: skip
 
     def _condition(self, base: str, value: float) -> str:
         """A condition named ``<base>-<param><value>``: the base with the searched setting."""

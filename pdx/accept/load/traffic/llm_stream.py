@@ -153,6 +153,13 @@ class RequestRecord:
     unfinished: bool = False  # still waiting when the load stopped
     output_ids: list[int] | None = None  # token ids the server streamed (return_token_ids)
     prompt_ids: list[int] | None = None  # kept for a sample of requests (output replay)
+    # a replayed trace: the request's line, its session, the prefix an ideal cache would
+    # hold for it (tokens), and the cached prompt tokens the server reported
+    # (usage.prompt_tokens_details.cached_tokens, where it does)
+    trace_line: int | None = None
+    session: str | None = None
+    ideal_cached_tokens: int | None = None
+    cached_tokens: int | None = None
 
     def to_json(self) -> str:
         """One JSONL line."""
@@ -250,6 +257,9 @@ def _absorb(rec: RequestRecord, event: dict[str, Any]) -> None:
         rec.output_tokens = int(usage["completion_tokens"])
         rec.prompt_tokens = usage.get("prompt_tokens")
         rec.usage_source = "server"
+        details = usage.get("prompt_tokens_details")
+        if isinstance(details, dict) and details.get("cached_tokens") is not None:
+            rec.cached_tokens = int(details["cached_tokens"])
     if isinstance(event.get("pdx"), dict):
         rec.pdx = event["pdx"]
     if rec.response_id is None and isinstance(event.get("id"), str):

@@ -8,6 +8,9 @@ Every request is also written exactly (no rounding) to ``<--pdx-records>/request
 Closed loop (default): ``-u`` users each send the next request when the last one ends.
 Open loop: ``--pdx-mode open --pdx-rate R`` sends Poisson arrivals at R req/s in total (split
 over all users and workers); latencies count from the *intended* send time.
+Trace replay: ``--pdx-mode trace --pdx-trace FILE`` (one user) sends each request of the
+trace's window at its own (scaled) time, open loop, with prompts that share what the trace's
+hash ids share and the session as ``user`` (``trace_replay.py``; ``--pdx-trace-*`` options).
 
     locust -f loadtests/locustfile.py --headless -u 8 -r 8 --run-time 60s \
         --host http://127.0.0.1:8000 --csv out/step --pdx-input-len 512 --pdx-output-len 64
@@ -33,19 +36,22 @@ from locust.user.task import LOCUST_STATE_STOPPING
 
 from pdx.accept.load.traffic.llm_stream import (
     LengthSpec,
+    PromptSample,
     PromptSource,
     RequestRecord,
     build_body,
     load_lengths_file,
     stream_completion,
 )
+from pdx.accept.load.traffic.trace_replay import TraceSend, add_options, trace_sends
 
 _records_file: Any = None
 
 
 @events.init_command_line_parser.add_listener
 def _add_options(parser: Any) -> None:
-    parser.add_argument("--pdx-mode", choices=["closed", "open"], default="closed")
+    parser.add_argument("--pdx-mode", choices=["closed", "open", "trace"], default="closed")
+    add_options(parser)
     parser.add_argument("--pdx-rate", type=float, default=0.0, help="open loop: total req/s")
     parser.add_argument("--pdx-max-inflight", type=int, default=64, help="open loop, per user")
     parser.add_argument("--pdx-input-len", default="128", help="N or LOW:HIGH (tokens)")
@@ -173,8 +179,11 @@ class CompletionUser(User):
         keep = self.opts.pdx_keep_prompts
         return keep > 0 and (self.sent <= keep or self.rng.random() < keep / self.sent)
 
-    def _one(self, t_intended: float, mode: str) -> None:
-        sample = self.prompts.next()
+    def _one(self, t_intended: float, mode: str, sent: TraceSend | None = None) -> None:
+        if sent is None:
+            sample = self.prompts.next()
+        else:
+            sample = PromptSample(sent.prompt, sent.input_len, sent.output_len)
         self.sent += 1
         rec = RequestRecord(
             t_intended_s=time.time() - (time.perf_counter() - t_intended),
@@ -185,6 +194,10 @@ class CompletionUser(User):
         if isinstance(sample.prompt, list) and self._keep_prompt():
             rec.prompt_ids = sample.prompt
         body = build_body(sample, self.opts.pdx_model or None, self.extra)
+        if sent is not None:
+            rec.trace_line, rec.session = sent.line, sent.session
+            rec.ideal_cached_tokens = sent.ideal_cached_tokens
+            body["user"] = sent.session  # a router's stickiness can act on it
         abort = self.rng.random() < self.opts.pdx_abort_fraction
         try:
             stream_completion(self.session, self.url, body, rec, t_intended,
@@ -196,15 +209,18 @@ class CompletionUser(User):
             raise
         report(self.environment, rec)
 
-    def _open_one(self, t_intended: float) -> None:
+    def _open_one(self, t_intended: float, sent: TraceSend | None = None) -> None:
         with self.slots:
-            self._one(t_intended, "open")
+            self._one(t_intended, "trace" if sent else "open", sent)
 
     @task
     def send(self) -> None:
         """Closed loop: one request per iteration. Open loop: an endless Poisson arrival loop."""
         if self.opts.pdx_mode == "closed":
             self._one(time.perf_counter(), "closed")
+            return
+        if self.opts.pdx_mode == "trace":
+            self._replay()
             return
         users = max(1, int(getattr(self.opts, "pdx_users_total", 1)))
         rate = self.opts.pdx_rate / users
@@ -220,6 +236,20 @@ class CompletionUser(User):
         # The run is over: no new arrival; those in flight finish (answered, errored or, past
         # Locust's --stop-timeout, recorded unfinished with how long they had waited).
         self.pending.join()
+
+    def _replay(self) -> None:
+        """Send the trace window's requests at their times (once), then let them finish."""
+        t0 = time.perf_counter()
+        for sent in trace_sends(self.opts):
+            t_next = t0 + sent.send_s
+            while (delay := t_next - time.perf_counter()) > 0 and not self._stopping():
+                gevent.sleep(min(delay, 0.05))
+            if self._stopping():
+                break
+            self.pending.spawn(self._open_one, t_next, sent)
+        self.pending.join()
+        while not self._stopping():  # the window is sent: wait for the step to end
+            gevent.sleep(0.2)
 
     def _stopping(self) -> bool:
         """Locust asked this user to stop (the run time is over; --stop-timeout lets it drain)."""

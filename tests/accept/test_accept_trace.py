@@ -1,0 +1,59 @@
+"""A trace replayed by ``pdx accept`` against pdx's own pair (playbooks/trace-replay.yaml, a
+window of it): every request carries its trace line, the step says the trace's ideal prefix hit
+ratio and the KV that crossed, and ``pdx simulate`` on the same trace predicts those bytes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from pdx.cli.main import app
+from pdx.traces.formats import read_trace
+from pdx.traces.schedule import Window, plan
+from pdx.traces.stats import ideal_cached
+
+ROOT = Path(__file__).resolve().parents[2]
+PLAYBOOK = ROOT / "playbooks" / "trace-replay.yaml"
+TRACE = ROOT / "playbooks" / "traces" / "chat-sessions.jsonl"
+WINDOW = 80  # requests: the first 80 of the trace's 160
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_trace_replay_end_to_end_and_the_simulator_agrees_on_the_bytes(tmp_path: Path) -> None:
+    args = ["accept", str(PLAYBOOK), "--out", str(tmp_path), "--no-progress", "--json",
+            "--set", f"load.workload.max_requests={WINDOW}", "--set", "validity.min_requests=50",
+            "--set", "matrix.duration_s=12", "--set", "validity.min_duration_s=5"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code in (0, 1, 3), result.output
+    data = json.loads(result.stdout)
+    (step,) = data["steps"]
+    assert step["id"].startswith("s00-trace-r") and step["valid"], step["validity_problems"]
+    tr = step["summary"]["trace"]
+    planned, _ = plan(read_trace(TRACE), Window(max_requests=WINDOW, time_scale=0.25))
+    window = read_trace(TRACE)
+    window.requests = [p.request for p in planned]
+    ideal = sum(ideal_cached(window)) / sum(r.input_tokens for r in window.requests)
+    assert tr["requests"] == WINDOW and tr["sessions"] == len({r.session for r in window.requests})
+    assert tr["ideal_hit_ratio"] == pytest.approx(ideal)
+    assert tr["reported_cached_ratio"] is None and tr["engine_hit_ratio"] == {}  # no cache yet
+    assert tr["send_lag_ms"]["p50"] < 50
+    report_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+    md = (report_dir / "report.md").read_text()
+    assert "## Trace replay" in md and f"{100 * ideal:.1f} %" in md
+    # every request crossed the link (prompts of 48+ tokens, local below 8): the simulator,
+    # replaying the same window with the deployed model's KV per token, ships the same bytes
+    per_token = data["preflight"]["measure_kv"]["result"]["kv_bytes_per_token"]
+    sim = CliRunner().invoke(app, [
+        "simulate", "--workload", str(TRACE), "--format", "mooncake", "--length-scale",
+        "0.03125", "--time-scale", "0.25", "--max-requests", str(WINDOW), "--mode",
+        "disaggregated", "--model-preset", "llama-3.1-8b", "--kv-bytes-per-token",
+        str(per_token), "--local-prefill-max-tokens", "7", "--json",
+    ])  # fmt: skip
+    assert sim.exit_code == 0, sim.output
+    predicted = json.loads(sim.stdout)["disaggregated"]["kv_shipped_bytes"]
+    measured = tr["kv_bytes_total"]
+    assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
