@@ -137,3 +137,34 @@ def test_load_caps_and_kv_demand_in_recommendations() -> None:
     # 10 GB of KV in 10 s = 8 Gbit/s = 80 % of a 10 Gbit/s link: needs a codec >= 1.1x.
     (line,) = kv_demand([(steps[0], {"kv_bytes": 10e9, "elapsed_s": 10.0})], link_gbps=10)
     assert "8 Gbit/s = 80.0% of 10 Gbit/s" in line and "ratio >= 1.1x" in line
+
+
+def _trace_row(line: int, input_len: int, ideal: int, kv_bytes: int) -> dict:
+    return {"trace_line": line, "session": line % 2, "input_len": input_len,
+            "ideal_cached_tokens": ideal, "queue_ms": 1.0,
+            "pdx": {"route": "disaggregated", "kv_bytes": kv_bytes}}  # fmt: skip
+
+
+def test_trace_summary_counts_what_crossed_not_what_was_offered() -> None:
+    from pdx.accept.judge.stats import NIXL_BYTES, trace_summary
+
+    rows = [_trace_row(1, 100, 0, 4000), _trace_row(2, 100, 50, 4000)]
+    pdx_pair = trace_summary(rows, {})
+    assert pdx_pair is not None
+    assert pdx_pair["ideal_hit_ratio"] == 0.25
+    assert pdx_pair["kv_bytes_total"] == 8000
+    assert pdx_pair["kv_bytes_from"] == "the responses' pdx.kv_bytes"
+    # vLLM: decode's NIXL pulls moved only the blocks it lacked; that figure wins over the
+    # whole-prompt kv_bytes each response names
+    mdelta = {
+        sample_key(NIXL_BYTES, {"pdx_instance": "decode-0"}): 6000.0,
+        sample_key("vllm:prefix_cache_hits_total", {"pdx_instance": "decode-0"}): 50.0,
+        sample_key("vllm:prefix_cache_queries_total", {"pdx_instance": "decode-0"}): 200.0,
+    }
+    vllm_pair = trace_summary(rows, mdelta)
+    assert vllm_pair is not None
+    assert vllm_pair["kv_bytes_total"] == 6000
+    assert vllm_pair["kv_bytes_per_request"] == 3000
+    assert vllm_pair["kv_bytes_from"] == NIXL_BYTES
+    assert vllm_pair["engine_hit_ratio"] == {"decode-0": 0.25}
+    assert trace_summary([{"input_len": 5}], {}) is None

@@ -243,6 +243,9 @@ def summarize(rows: list[dict[str, Any]], elapsed_s: float) -> dict[str, Any]:
     }
 
 
+NIXL_BYTES = "vllm:nixl_bytes_transferred_sum"
+
+
 def trace_summary(rows: list[dict[str, Any]], mdelta: dict[str, float]) -> dict[str, Any] | None:
     """A trace step: the trace's ideal prefix hit ratio beside what the engine reported, the
     KV bytes that crossed per request, and how late each request left (arrival fidelity).
@@ -259,6 +262,10 @@ def trace_summary(rows: list[dict[str, Any]], mdelta: dict[str, float]) -> dict[
     told = [r for r in traced if r.get("cached_tokens") is not None]
     shipped = [int((r.get("pdx") or {}).get("kv_bytes") or 0) for r in traced
                if (r.get("pdx") or {}).get("route") == "disaggregated"]  # fmt: skip
+    # vLLM: what decode's NIXL pulls really moved (only the blocks decode lacked), not the
+    # whole prompt's KV the prefill offered (the pdx object's kv_bytes)
+    pulled = [v for k, v in mdelta.items() if split_key(k)[0] == NIXL_BYTES]
+    total = sum(pulled) if pulled else float(sum(shipped))
     return {
         "requests": len(traced),
         "sessions": len({r.get("session") for r in traced}),
@@ -270,8 +277,9 @@ def trace_summary(rows: list[dict[str, Any]], mdelta: dict[str, float]) -> dict[
         ),
         "reported_requests": len(told),
         "engine_hit_ratio": _engine_hit_ratios(mdelta),
-        "kv_bytes_total": sum(shipped),
-        "kv_bytes_per_request": sum(shipped) / len(shipped) if shipped else None,
+        "kv_bytes_total": total,
+        "kv_bytes_per_request": total / len(shipped) if shipped else None,
+        "kv_bytes_from": NIXL_BYTES if pulled else "the responses' pdx.kv_bytes",
         "send_lag_ms": distribution([float(r.get("queue_ms") or 0.0) for r in traced]),
     }
 

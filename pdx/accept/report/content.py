@@ -521,6 +521,9 @@ def trace_section(steps: list[StepReport]) -> Section:
         "per disaggregated request; the send lag is how late each request left after its "
         "scaled trace time."
     ]
+    sources = sorted({s.summary["trace"].get("kv_bytes_from") or "" for s in steps} - {""})
+    if sources:
+        lines.append("KV bytes counted from: " + "; ".join(sources) + ".")
     return ("Trace replay", lines, TRACE_HEADERS, rows)
 
 
