@@ -105,7 +105,9 @@ class CircuitBreaker:
     """Opens when transfer P99 > ``degrade_p99_ms`` or success rate < threshold over a window.
 
     Open → after ``breaker_open_s`` one half-open probe is let through; its success closes
-    the breaker (window cleared), its failure opens it again.
+    the breaker (window cleared), its failure opens it again. A probe that ends without a
+    transfer outcome (its client left, its decode failed first) is given back with
+    :meth:`abandon`, so the next request probes: a lost probe must not hold the breaker open.
     """
 
     def __init__(self, cfg: RouterConfig) -> None:
@@ -115,6 +117,7 @@ class CircuitBreaker:
         self.opened_at = 0.0
         self.reason = ""
         self._probe_out = False
+        self.probe_seq = 0  # which grant is the probe out now (see :meth:`abandon`)
 
     def allow(self) -> bool:
         """Whether a disaggregated transfer may be attempted now (may start a probe)."""
@@ -124,8 +127,14 @@ class CircuitBreaker:
             self.state = "half_open"
         if self.state == "half_open" and not self._probe_out:
             self._probe_out = True
+            self.probe_seq += 1
             return True
         return False
+
+    def abandon(self, seq: int) -> None:
+        """Probe ``seq`` ended without reporting a transfer: let the next request probe."""
+        if self.state == "half_open" and self._probe_out and seq == self.probe_seq:
+            self._probe_out = False
 
     def record(self, ok: bool, transfer_ms: float) -> None:
         """Feed one transfer outcome."""
@@ -174,6 +183,7 @@ class Decision:
     prefill: PrefillInstance | None = None
     degrade_reason: str = ""
     kv_need_bytes: int = 0  # what the request reserves on ``decode`` (the flow holds it)
+    breaker_probe: int = 0  # the breaker's half-open probe number this request carries, or 0
 
 
 @dataclass
@@ -239,7 +249,11 @@ class Router:
         if prefill is None:
             return Decision("local", decode, degrade_reason="prefill_unavailable",
                             kv_need_bytes=need)  # fmt: skip
-        if requested == "auto" and not self.breaker.allow():
-            why = f"circuit_open:{self.breaker.reason}"
-            return Decision("local", decode, degrade_reason=why, kv_need_bytes=need)
-        return Decision("disaggregated", decode, prefill, kv_need_bytes=need)
+        probe = 0
+        if requested == "auto":
+            was_closed = self.breaker.state == "closed"
+            if not self.breaker.allow():
+                why = f"circuit_open:{self.breaker.reason}"
+                return Decision("local", decode, degrade_reason=why, kv_need_bytes=need)
+            probe = 0 if was_closed else self.breaker.probe_seq
+        return Decision("disaggregated", decode, prefill, kv_need_bytes=need, breaker_probe=probe)

@@ -82,3 +82,28 @@ async def test_client_disconnect_mid_stream_stops_generation(
     gone = [rec for rec in caplog.records if "client disconnected mid-stream" in rec.message]
     assert len(gone) == 1 and gone[0].levelno == logging.INFO
     assert any(f"{n} tokens" in gone[0].message for n in range(1, MAX_TOKENS))
+
+
+async def test_a_half_open_probe_whose_client_leaves_does_not_hold_the_breaker_open(
+    pair: tuple[Gateway, DecodeNode],
+) -> None:
+    """5 % of a reference run's clients cancel after the first token: the one that carried the
+    breaker's probe must not leave the breaker open (and every request local) for good."""
+    gw, _decode = pair
+    breaker = gw.router.breaker
+    breaker.cfg = breaker.cfg.model_copy(update={"breaker_open_s": 0.05})
+    breaker._open("transfer_p99")
+    await asyncio.sleep(0.1)
+    url = f"http://127.0.0.1:{gw.port}/v1/completions"
+    body = {"prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True}
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(url, json=body)  # granted the half-open probe
+        assert r.status == 200 and (await r.content.readline()).startswith(b"data: {")
+        assert breaker.state == "half_open"
+        r.close()
+        await until(lambda: gw.router.decodes[0].in_flight == 0)
+        again = {**body, "stream": False, "max_tokens": 3}
+        async with s.post(url, json=again) as r2:
+            data = await r2.json()
+    assert data["pdx"]["route"] == "disaggregated", data["pdx"]  # the next request probed
+    assert breaker.state == "closed"

@@ -142,6 +142,27 @@ def test_failed_probe_reopens() -> None:
     assert br.state == "open" and br.reason == "probe_failed"
 
 
+def test_a_probe_that_never_reports_is_given_back_not_held_forever() -> None:
+    r = router(decode("a"), breaker_min_samples=5, breaker_open_s=0.01)
+    for _ in range(5):
+        r.breaker.record(False, 0.0)
+    time.sleep(0.02)
+    probe = r.decide("auto", 100, None)
+    assert probe is not None and probe.route == "disaggregated" and probe.breaker_probe
+    held = r.decide("auto", 100, None)  # only one probe at a time
+    assert held is not None and held.route == "local" and not held.breaker_probe
+    r.breaker.abandon(probe.breaker_probe - 1)  # an older grant's release changes nothing
+    assert r.decide("auto", 100, None).route == "local"  # type: ignore[union-attr]
+    r.breaker.abandon(probe.breaker_probe)  # its client left before any transfer outcome
+    again = r.decide("auto", 100, None)
+    assert again is not None and again.route == "disaggregated"
+    assert again.breaker_probe == probe.breaker_probe + 1
+    r.breaker.record(True, 1.0)
+    assert r.breaker.state == "closed"
+    r.breaker.abandon(again.breaker_probe)  # after its outcome: nothing to give back
+    assert r.breaker.state == "closed" and r.decide("auto", 100, None).breaker_probe == 0  # type: ignore[union-attr]
+
+
 def test_local_threshold_is_the_measure_kv_break_even_of_the_deployed_model() -> None:
     from pdx.serving.deploy_config import NEVER_SHIP, load_deploy_config, local_prefill_threshold
 

@@ -165,9 +165,12 @@ class Flow:
         ctx.metrics.in_flight.labels(decision.decode.name).set(decision.decode.in_flight)
 
     def release(self) -> None:
-        """Give the decode slot back (once; also for a flow that never ran)."""
+        """Give the decode slot back (once; also for a flow that never ran), and the breaker's
+        half-open probe if this flow carried it and never reported a transfer."""
         if self._reserved:
             self._reserved = False
+            if self.decision.breaker_probe:
+                self.ctx.router.breaker.abandon(self.decision.breaker_probe)
             d = self.decision.decode
             d.in_flight -= 1
             d.kv_reserved_here -= self.decision.kv_need_bytes
