@@ -6,7 +6,8 @@ any prefix cache (vLLM's, pdx's) sees the reuse the trace describes; the last bl
 the request's length. A request without hash ids gets tokens of its own (from its line).
 
 ``length_scale`` multiplies every length *and* the block size (1/32 maps Mooncake's 512-token
-blocks onto vLLM's 16-token ones), so a CPU-sized replay keeps the trace's reuse structure.
+blocks onto 16-token ones), so a CPU-sized replay keeps the trace's reuse structure; an engine's
+cache sees all of it where its own block size divides the scaled one.
 Text prompts (for engines that want text) map each token id to one fixed word, so a shared
 block is a shared run of words.
 """
