@@ -164,6 +164,14 @@ class Assembly:
             self.chunks[index] = view
             self._hash_prefix()
 
+    def received_bytes(self) -> int:
+        """Bytes of the chunks verified so far (what a timed-out Get did move)."""
+        info = self.info
+        if info is None:
+            return 0
+        size, total = info.chunk_size_bytes, info.size_bytes
+        return sum(min(size, total - k * size) for k, c in enumerate(self.chunks) if c is not None)
+
     def _hash_prefix(self) -> None:
         while self.hashed < len(self.chunks) and self.chunks[self.hashed] is not None:
             self.whole.update(self.chunks[self.hashed])  # type: ignore[arg-type]

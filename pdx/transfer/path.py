@@ -18,6 +18,15 @@ rose (a reroute, a failover to a farther site) is not judged on the old one: its
 round trip extends its deadline. Goodput is a moving average over transfers of at least
 1 MiB, or ``link_gbps`` when configured, or 100 Mbit/s before anything is measured.
 
+A link that slows for good would otherwise never be learned: every transfer sized on the old
+goodput times out, and only successes taught the estimate. So a Get that runs out of its
+deadline having moved some bytes drops the estimate to the rate it achieved (bytes over the
+time since it began: at most what the path gives now, so the next deadlines err long), and it
+is retried, within the retry budget, under a new deadline derived from that estimate and
+doubled per timeout already spent, as long as each timed-out attempt moved bytes (one that
+moved nothing met a dead link: KV_TIMEOUT, as before). Successes raise the estimate again
+when the link recovers.
+
 A streamed Get (of an object its writer is still writing, e.g. a prefill computing layer by
 layer) cannot be judged on that deadline from its start: the bytes do not exist yet. While the
 writer writes, the Get's deadline is ``WRITER_IDLE_S`` plus the derived deadline past the last
@@ -101,6 +110,17 @@ class PathEstimate:
                 rate = nbytes * 8 / seconds
                 g = self.goodput_bps
                 self.goodput_bps = rate if g is None else (1 - _EWMA) * g + _EWMA * rate
+
+    def observe_timeout(self, nbytes: int, seconds: float) -> bool:
+        """A request that ran out of its deadline after moving ``nbytes`` in ``seconds``: the
+        path gave it no more, so the estimate drops to that rate. Whether it learned."""
+        if nbytes <= 0 or seconds <= 0:
+            return False  # nothing moved: a cut link, not a slow one
+        rate = nbytes * 8 / seconds
+        with self._lock:
+            g = self.goodput_bps or self.link_bps or ASSUMED_GOODPUT_BPS
+            self.goodput_bps = min(g, rate)
+        return True
 
     def deadline(self, size_bytes: int | None, explicit_ms: float | None) -> Deadline:
         """The deadline of a request moving ``size_bytes`` (None: the largest seen so far)."""

@@ -9,7 +9,7 @@ import time
 import grpc
 import pytest
 
-from pdx.faults import Corrupt, FaultProxy, Timeout
+from pdx.faults import Bandwidth, Corrupt, FaultProxy, Timeout
 from pdx.transfer.client import KVClient
 from pdx.transfer.contract import KVError, KVErrorCode
 from pdx.transfer.retry import GlobalRetryBudget
@@ -248,3 +248,44 @@ def test_global_budget_window_slides() -> None:
     b.on_request()
     b.on_request()
     assert b.try_retry()
+
+
+async def test_a_link_that_slows_for_good_is_learned_and_gets_succeed_again(
+    kv_server_factory, kv_client_cfg, kv_transport
+) -> None:
+    """The estimate learned only from successes: once the link slowed below what a derived
+    deadline allows, every Get timed out and nothing could teach it the new rate."""
+    server, target = await kv_server_factory()
+    data = os.urandom(4_000_000)  # 62 chunks of 64 KiB
+    async with KVClient(target, kv_client_cfg()) as direct:
+        kv_id = await direct.put(data)
+    upstream = _upstream(server, target, kv_transport)
+    cfg = kv_client_cfg(kv_transfer_timeout_ms=None, kv_retry_budget=2)
+    async with FaultProxy(("127.0.0.1", 0), upstream) as proxy:  # noqa: SIM117 (port known only once started)
+        async with _via(proxy, target, kv_transport, cfg) as kv:
+            for _ in range(2):  # warm: the estimate learns the loopback rate
+                await kv.get(kv_id, size_hint=len(data))
+            fast = kv.records()[-1]
+            assert fast.outcome == "ok" and fast.deadline_ms < 1000
+            proxy.add_toxic(Bandwidth(name="slow", direction="downstream", rate_mbps=40))
+            slowed = await kv.get(kv_id, size_hint=len(data))  # 0.8 s at 40 Mbit/s
+            first = kv.records()[-1]
+            learned = kv.path.goodput_bps
+            again = await kv.get(kv_id, size_hint=len(data))
+            second = kv.records()[-1]
+            proxy.remove_toxic("slow")
+            for _ in range(3):
+                await kv.get(kv_id, size_hint=len(data))
+            recovered = kv.path.goodput_bps
+    assert bytes(slowed.data) == data and bytes(again.data) == data
+    # It ran out of the deadline sized for loopback, learned the rate it got and was retried
+    # under a deadline sized for it, from the chunk where it stopped.
+    assert first.outcome == "ok" and first.retries == 1 and first.resumed_chunks > 0
+    assert first.deadline_ms > 1000
+    assert learned is not None and learned < 60e6
+    retry = kv.audit.records(event="retry", kv_id=kv_id)
+    assert retry[-1]["outcome"] == "KV_TIMEOUT"
+    # The next Get is sized for the slow link from its start: no timeout, no retry.
+    assert second.outcome == "ok" and second.retries == 0 and second.deadline_ms > 1000
+    # Successes at the loopback rate raise the estimate again.
+    assert recovered is not None and recovered > 4 * learned

@@ -2,9 +2,10 @@
 
 Every request has a deadline (``kv_transfer_timeout_ms``, or derived from its size and the
 path, for all attempts together); retryable errors are retried with jittered exponential
-backoff under the per-request and global budgets. ``AioRpcError`` becomes
-:class:`KVError` here, through :func:`pdx.transfer.rpc.map_rpc_error`. Each request ends
-in a :class:`TransferRecord`, the metrics and the audit log.
+backoff under the per-request and global budgets. A Get that ran out of a derived deadline is
+retried too, under a new one (:meth:`Attempts.regrant`, docs in :mod:`pdx.transfer.path`).
+``AioRpcError`` becomes :class:`KVError` here, through :func:`pdx.transfer.rpc.map_rpc_error`.
+Each request ends in a :class:`TransferRecord`, the metrics and the audit log.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, TypeVar
 
 import grpc
@@ -46,6 +47,8 @@ class Request:
     size: int | None = 0  # bytes it moves, None = unknown (a Get without a size hint)
     congestion_control: str | None = None  # of the data-plane sockets that carried it
     limited_by: str | None = None  # a Put stream capped by its send buffer / the peer's window
+    moved_seen: int = 0  # bytes a timed-out Get had moved at its last timeout
+    progressed: bool = False  # its last timed-out attempt moved bytes (a slow link, not a dead one)
 
     def remaining_s(self) -> float:
         return self.deadline_s - time.monotonic()
@@ -111,10 +114,41 @@ class Attempts:
                 KVErrorCode.KV_TIMEOUT, f"{req.op}: deadline passed", kv_id=req.kv_id
             ) from None
 
+    def _regrantable(self, req: Request, exc: KVError) -> bool:
+        """A Get that ran out of its derived deadline while bytes still moved (retried under a
+        new one); one that moved nothing met a dead link, and ends as before."""
+        d = req.deadline
+        return (
+            exc.code is KVErrorCode.KV_TIMEOUT
+            and req.op == "get"
+            and req.progressed
+            and d is not None
+            and d.source == "derived"
+        )
+
+    def timed_out(self, req: Request, moved_bytes: int) -> None:
+        """``req`` ran out of its deadline having moved ``moved_bytes``: teach the path."""
+        req.progressed = moved_bytes > req.moved_seen
+        req.moved_seen = max(req.moved_seen, moved_bytes)
+        self.path.observe_timeout(moved_bytes, time.monotonic() - req.began_s)
+
+    def regrant(self, req: Request) -> None:
+        """A new deadline for a timed-out Get's next attempt: derived from the estimate (which
+        its timeout just lowered), doubled per timeout already spent, counted from now."""
+        d = self.path.deadline(req.size, None)
+        ms = round(d.ms * 2 ** max(0, req.retries - 1), 1)
+        req.deadline = replace(d, ms=ms)
+        req.deadline_s = time.monotonic() + ms / 1000
+
     async def before_retry(self, req: Request, exc: KVError) -> None:
         """Decide whether ``exc`` may be retried; wait the backoff, or raise."""
         exc.retries = req.retries
-        if not exc.retryable or req.remaining_s() <= 0 or self.cfg.kv_retry_budget == 0:
+        regrant = self._regrantable(req, exc) and req.remaining_s() <= 0
+        if (
+            not exc.retryable
+            or (req.remaining_s() <= 0 and not regrant)
+            or self.cfg.kv_retry_budget == 0
+        ):
             raise exc
         if req.retries >= self.cfg.kv_retry_budget:
             raise KVError(
@@ -132,6 +166,8 @@ class Attempts:
                 retries=req.retries,
             ) from exc
         req.retries += 1
+        if regrant:
+            self.regrant(req)
         self.metrics.retries.labels(op=req.op).inc()
         self.audit.record(
             "retry",

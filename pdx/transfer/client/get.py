@@ -91,8 +91,10 @@ async def _get_range(
         except KVError as exc:
             if exc.code is KVErrorCode.KV_CORRUPT:
                 attempts.metrics.corrupt.labels(side="client").inc()
+            if exc.code is KVErrorCode.KV_TIMEOUT:
+                attempts.timed_out(req, got.received_bytes())
             await attempts.before_retry(req, exc)
-            if exc.code is KVErrorCode.KV_CORRUPT:
+            if exc.code in (KVErrorCode.KV_CORRUPT, KVErrorCode.KV_TIMEOUT):
                 req.resumed_chunks += state["next"] - start
 
 
