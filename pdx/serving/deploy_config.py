@@ -156,7 +156,25 @@ class RouterConfig(BaseModel):
         None, gt=0, description=f"link speed for the break-even (null: {DEFAULT_LINK_GBPS})"
     )
     transfer_overhead_ms: float = Field(1.0, ge=0, description="fixed cost per KV transfer")
-    degrade_p99_ms: float = Field(50.0, gt=0)
+    degrade_p99_ms: float | None = Field(
+        None,
+        gt=0,
+        description="the breaker opens when transfer P99 over its window exceeds this; null: "
+        "degrade_share_of_ttft x ttft_budget_ms",
+    )
+    degrade_share_of_ttft: float = Field(
+        0.2,
+        gt=0,
+        le=1,
+        description="share of the TTFT budget a KV transfer's P99 may take before the breaker "
+        "opens (P99 transfer <= 10-20 % of the end-to-end budget)",
+    )
+    ttft_budget_ms: float = Field(
+        2000.0,
+        gt=0,
+        description="the TTFT P99 the service is held to; pdx accept sets it from its "
+        "playbook's ttft_p99_ms (else ttft_p50_ms)",
+    )
     success_rate_threshold: float = Field(0.999, gt=0, le=1)
     breaker_window: int = Field(100, ge=5, description="transfers the breaker looks back over")
     breaker_min_samples: int = Field(20, ge=1)
@@ -164,6 +182,14 @@ class RouterConfig(BaseModel):
     sticky: bool = True
     sticky_entries: int = Field(10000, ge=1)
     status_poll_ms: float = Field(250.0, gt=0)
+
+    @property
+    def breaker_p99_ms(self) -> float:
+        """The transfer P99 that opens the breaker: ``degrade_p99_ms``, else its share of the
+        TTFT budget (a loopback figure like 50 ms would open it on every WAN transfer)."""
+        if self.degrade_p99_ms is not None:
+            return self.degrade_p99_ms
+        return self.degrade_share_of_ttft * self.ttft_budget_ms
 
 
 class GatewayConfig(BaseModel):

@@ -102,7 +102,8 @@ class PrefillInstance:
 
 
 class CircuitBreaker:
-    """Opens when transfer P99 > ``degrade_p99_ms`` or success rate < threshold over a window.
+    """Opens when transfer P99 > ``breaker_p99_ms`` (``degrade_p99_ms``, else a share of the
+    TTFT budget) or success rate < threshold over a window.
 
     Open → after ``breaker_open_s`` one half-open probe is let through; its success closes
     the breaker (window cleared), its failure opens it again. A probe that ends without a
@@ -160,7 +161,8 @@ class CircuitBreaker:
         if rate < self.cfg.success_rate_threshold:
             return "success_rate"
         # max() first: it is O(n), p99 sorts, and p99 can only exceed what max exceeds.
-        if oks and max(oks) > self.cfg.degrade_p99_ms and p99(oks) > self.cfg.degrade_p99_ms:
+        bound = self.cfg.breaker_p99_ms
+        if oks and max(oks) > bound and p99(oks) > bound:
             return "transfer_p99"
         return ""
 

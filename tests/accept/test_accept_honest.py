@@ -262,6 +262,8 @@ def test_a_run_that_moved_no_kv_is_not_go(tmp_path: Path) -> None:
         assert got[name]["result"] == "not_measured" and not got[name]["passed"], got[name]
     assert data["steps"][0]["summary"]["routes"].get("disaggregated", 0) == 0
     assert got["error_rate_max"]["result"] != "not_measured"  # what was measured is judged
+    # The playbook left the breaker's bound to the deploy: it follows the TTFT judged here.
+    assert "router.ttft_budget_ms=10000" in data["target"]["deploy_args"]
 
 
 @pytest.mark.slow
@@ -272,3 +274,5 @@ def test_one_replay_cannot_prove_no_mismatch(tmp_path: Path) -> None:
     assert mismatch["result"] == "indeterminate" and mismatch["sample"] == 1
     assert mismatch["rate_bound"] == pytest.approx(0.95) and mismatch["requests_needed"] == 299
     assert data["verdict"] == "INCONCLUSIVE"
+    # smoke.yaml sets router.degrade_p99_ms itself: no TTFT budget is added.
+    assert not [a for a in data["target"]["deploy_args"] if a.startswith("router.ttft_budget")]

@@ -131,6 +131,19 @@ def test_breaker_opens_on_p99_and_half_open_probe_closes_it() -> None:
     assert br.state == "closed" and len(br.window) == 0
 
 
+def test_the_breaker_bound_is_a_share_of_the_ttft_budget_unless_given() -> None:
+    assert RouterConfig().breaker_p99_ms == 400.0  # 0.2 x 2000 ms, not a loopback figure
+    assert RouterConfig(ttft_budget_ms=5000).breaker_p99_ms == 1000.0
+    assert RouterConfig(degrade_share_of_ttft=0.1, ttft_budget_ms=5000).breaker_p99_ms == 500.0
+    assert RouterConfig(degrade_p99_ms=50, ttft_budget_ms=5000).breaker_p99_ms == 50.0
+    br = CircuitBreaker(RouterConfig(breaker_min_samples=5, ttft_budget_ms=1000))
+    for _ in range(5):
+        br.record(True, 150.0)  # a WAN transfer well inside 20 % of a 1 s TTFT
+    assert br.state == "closed"
+    br.record(True, 250.0)
+    assert br.state == "open" and br.reason == "transfer_p99"
+
+
 def test_failed_probe_reopens() -> None:
     br = CircuitBreaker(RouterConfig(breaker_min_samples=5, breaker_open_s=0.01))
     for _ in range(5):

@@ -93,7 +93,8 @@ def recommendations(
     if "degrade_rate_max" in names:
         recs.append(
             "degradations above limit: transfers fail past their retry budget or the breaker "
-            "opens (router.degrade_p99_ms); fix the link or raise the breaker thresholds"
+            "opens (router.degrade_p99_ms, else router.degrade_share_of_ttft x the TTFT budget); "
+            "fix the link or raise the breaker thresholds"
         )
     if "error_rate_max" in names:
         recs.append("failed requests: see each step's error causes; 429s mean add decode capacity")
