@@ -250,8 +250,9 @@ def test_global_budget_window_slides() -> None:
     assert b.try_retry()
 
 
+@pytest.mark.parametrize("streams", [1, 4])
 async def test_a_link_that_slows_for_good_is_learned_and_gets_succeed_again(
-    kv_server_factory, kv_client_cfg, kv_transport
+    kv_server_factory, kv_client_cfg, kv_transport, streams
 ) -> None:
     """The estimate learned only from successes: once the link slowed below what a derived
     deadline allows, every Get timed out and nothing could teach it the new rate."""
@@ -260,14 +261,18 @@ async def test_a_link_that_slows_for_good_is_learned_and_gets_succeed_again(
     async with KVClient(target, kv_client_cfg()) as direct:
         kv_id = await direct.put(data)
     upstream = _upstream(server, target, kv_transport)
-    cfg = kv_client_cfg(kv_transfer_timeout_ms=None, kv_retry_budget=2)
+    # With several streams the ranges time out together: one timeout, one retry, not one each.
+    cfg = kv_client_cfg(kv_transfer_timeout_ms=None, kv_retry_budget=2, streams=streams)
     async with FaultProxy(("127.0.0.1", 0), upstream) as proxy:  # noqa: SIM117 (port known only once started)
         async with _via(proxy, target, kv_transport, cfg) as kv:
             for _ in range(2):  # warm: the estimate learns the loopback rate
                 await kv.get(kv_id, size_hint=len(data))
             fast = kv.records()[-1]
             assert fast.outcome == "ok" and fast.deadline_ms < 1000
-            proxy.add_toxic(Bandwidth(name="slow", direction="downstream", rate_mbps=40))
+            # 40 Mbit/s in all: the rate is per proxied connection, and the data plane gives
+            # each stream a connection of its own.
+            per_conn = 40 / streams if kv_transport == "data" else 40
+            proxy.add_toxic(Bandwidth(name="slow", direction="downstream", rate_mbps=per_conn))
             slowed = await kv.get(kv_id, size_hint=len(data))  # 0.8 s at 40 Mbit/s
             first = kv.records()[-1]
             learned = kv.path.goodput_bps

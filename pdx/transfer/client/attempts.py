@@ -49,6 +49,7 @@ class Request:
     limited_by: str | None = None  # a Put stream capped by its send buffer / the peer's window
     moved_seen: int = 0  # bytes a timed-out Get had moved at its last timeout
     progressed: bool = False  # its last timed-out attempt moved bytes (a slow link, not a dead one)
+    epoch: int = 0  # deadlines granted after the first (:meth:`Attempts.regrant`)
 
     def remaining_s(self) -> float:
         return self.deadline_s - time.monotonic()
@@ -139,6 +140,7 @@ class Attempts:
         ms = round(d.ms * 2 ** max(0, req.retries - 1), 1)
         req.deadline = replace(d, ms=ms)
         req.deadline_s = time.monotonic() + ms / 1000
+        req.epoch += 1
 
     async def before_retry(self, req: Request, exc: KVError) -> None:
         """Decide whether ``exc`` may be retried; wait the backoff, or raise."""

@@ -85,12 +85,18 @@ async def _get_range(
         await route.run(req, move)
 
     while True:
+        epoch = req.epoch
         try:
             await attempts.attempt(req, once)
             return
         except KVError as exc:
             if exc.code is KVErrorCode.KV_CORRUPT:
                 attempts.metrics.corrupt.labels(side="client").inc()
+            if exc.code is KVErrorCode.KV_TIMEOUT and req.epoch != epoch:
+                # The ranges of one Get share its deadline: a sibling's timeout already granted
+                # the new one (and spent the retry), so this range resumes under it.
+                req.resumed_chunks += state["next"] - start
+                continue
             if exc.code is KVErrorCode.KV_TIMEOUT:
                 attempts.timed_out(req, got.received_bytes())
             await attempts.before_retry(req, exc)
