@@ -220,23 +220,15 @@ class AcceptRun:
     def _with_audit(self, t: Any) -> Any:
         """The deploy writes its KV store audit and decode's request records under raw/, with
         the KV budgets the pre-flight sized (:meth:`_size_kv`)."""
-        budgets = [*(self.kv_sizing or {}).get("deploy_set", []), *self._ttft_budget(t)]
+        from pdx.accept.preflight.budget import ttft_budget
+
+        budgets = [*(self.kv_sizing or {}).get("deploy_set", []), *ttft_budget(self.pb, t)]
         if any(item.startswith("kv.audit_dir=") for item in t.deploy_set):
             return t.model_copy(update={"deploy_set": [*t.deploy_set, *budgets]})
         audit = (self.raw_dir / "kv-audit").resolve()
         engines = (self.raw_dir / "engines").resolve()  # engine: vllm keeps instance logs here
         extra = [f"kv.audit_dir={audit}", f"vllm.log_dir={engines}", *budgets]
         return t.model_copy(update={"deploy_set": [*t.deploy_set, *extra]})
-
-    def _ttft_budget(self, t: Any) -> list[str]:
-        """The deploy's breaker bound follows the TTFT this playbook judges (its share of
-        ``router.ttft_budget_ms``) unless the playbook sets the budget or the bound itself."""
-        c = self.pb.criteria
-        budget = c.ttft_p99_ms or c.ttft_p50_ms
-        keys = {item.split("=", 1)[0].strip() for item in t.deploy_set}
-        if budget is None or keys & {"router.ttft_budget_ms", "router.degrade_p99_ms"}:
-            return []
-        return [f"router.ttft_budget_ms={budget:g}"]
 
     def _size_kv(self) -> None:
         """Before anything starts: each step's KV from measure-kv, the deploy's budgets raised

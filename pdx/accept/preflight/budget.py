@@ -123,6 +123,17 @@ def size_kv(pb: Playbook, playbook_dir: Path, steps: list[Step]) -> dict[str, An
     return out
 
 
+def ttft_budget(pb: Playbook, target: Any) -> list[str]:
+    """The deploy's breaker bound follows the TTFT this playbook judges (its share of
+    ``router.ttft_budget_ms``) unless the playbook sets the budget or the bound itself."""
+    c = pb.criteria
+    budget = c.ttft_p99_ms or c.ttft_p50_ms
+    keys = {item.split("=", 1)[0].strip() for item in target.deploy_set}
+    if budget is None or keys & {"router.ttft_budget_ms", "router.degrade_p99_ms"}:
+        return []
+    return [f"router.ttft_budget_ms={budget:g}"]
+
+
 def _budget(key: str, deployed: int, need: int, explicit: set[str]) -> dict[str, Any]:
     """The budget to use: the deploy's, raised to ``need`` unless the playbook set it."""
     raise_it = need > deployed and key not in explicit
