@@ -24,8 +24,10 @@ deadline having moved some bytes drops the estimate to the rate it achieved (byt
 time since it began: at most what the path gives now, so the next deadlines err long), and it
 is retried, within the retry budget, under a new deadline derived from that estimate and
 doubled per timeout already spent, as long as each timed-out attempt moved bytes (one that
-moved nothing met a dead link: KV_TIMEOUT, as before). Successes raise the estimate again
-when the link recovers.
+moved nothing met a dead link: KV_TIMEOUT, as before). A re-granted deadline is at most
+``MAX_REGRANT_MS`` (the store's default cap on a call), so a peer that drips bytes cannot hold
+a Get for longer than the store itself would. Successes raise the estimate again when the link
+recovers.
 
 A streamed Get (of an object its writer is still writing, e.g. a prefill computing layer by
 layer) cannot be judged on that deadline from its start: the bytes do not exist yet. While the
@@ -51,6 +53,7 @@ MIN_SAMPLE_BYTES = 1 << 20
 _EWMA = 0.3
 RTT_WINDOW_S = 10.0
 WRITER_IDLE_S = 10.0  # the store's default stall_timeout_s
+MAX_REGRANT_MS = 300_000.0  # the store's default max_request_timeout_ms: it cuts a longer call
 
 
 def derived_deadline_ms(size_bytes: int, rtt_ms: float, goodput_bps: float, cold: bool) -> float:
@@ -58,6 +61,12 @@ def derived_deadline_ms(size_bytes: int, rtt_ms: float, goodput_bps: float, cold
     setup = COLD_SETUP_MS if cold else 0.0
     bytes_ms = BYTES_FACTOR * size_bytes * 8 / goodput_bps * 1e3
     return DEADLINE_FLOOR_MS + setup + RTT_FACTOR * rtt_ms + bytes_ms
+
+
+def regranted_ms(derived_ms: float, timeouts: int) -> float:
+    """A timed-out Get's next deadline: the derived one, doubled per timeout spent before this
+    one, at most ``MAX_REGRANT_MS``."""
+    return min(derived_ms * 2 ** max(0, timeouts - 1), MAX_REGRANT_MS)
 
 
 @dataclass(frozen=True)
@@ -111,16 +120,15 @@ class PathEstimate:
                 g = self.goodput_bps
                 self.goodput_bps = rate if g is None else (1 - _EWMA) * g + _EWMA * rate
 
-    def observe_timeout(self, nbytes: int, seconds: float) -> bool:
+    def observe_timeout(self, nbytes: int, seconds: float) -> None:
         """A request that ran out of its deadline after moving ``nbytes`` in ``seconds``: the
-        path gave it no more, so the estimate drops to that rate. Whether it learned."""
+        path gave it no more, so the estimate drops to that rate."""
         if nbytes <= 0 or seconds <= 0:
-            return False  # nothing moved: a cut link, not a slow one
+            return  # nothing moved: a cut link, not a slow one
         rate = nbytes * 8 / seconds
         with self._lock:
             g = self.goodput_bps or self.link_bps or ASSUMED_GOODPUT_BPS
             self.goodput_bps = min(g, rate)
-        return True
 
     def deadline(self, size_bytes: int | None, explicit_ms: float | None) -> Deadline:
         """The deadline of a request moving ``size_bytes`` (None: the largest seen so far)."""

@@ -11,8 +11,10 @@ from pdx.transfer.path import (
     ASSUMED_GOODPUT_BPS,
     COLD_SETUP_MS,
     DEADLINE_FLOOR_MS,
+    MAX_REGRANT_MS,
     PathEstimate,
     derived_deadline_ms,
+    regranted_ms,
 )
 
 
@@ -46,6 +48,22 @@ def test_the_estimate_learns_rtt_and_goodput_and_an_explicit_timeout_wins() -> N
     assert (fixed.ms, fixed.source) == (300.0, "explicit")
     hinted = PathEstimate(link_gbps=10.0).deadline(1 << 30, None)
     assert hinted.goodput_gbps == 10.0
+
+
+def test_a_timeout_lowers_the_estimate_and_a_dripping_peer_cannot_stretch_the_deadline() -> None:
+    path = PathEstimate()
+    path.observe_success(100 << 20, 0.1)  # 8.4 Gbit/s
+    path.observe_timeout(0, 1.0)  # nothing moved: a dead link teaches nothing
+    assert path.goodput_bps == pytest.approx((100 << 20) * 80)
+    path.observe_timeout(5_000_000, 1.0)  # 40 Mbit/s is all it got
+    assert path.goodput_bps == pytest.approx(40e6)
+    path.observe_timeout(50_000_000, 1.0)  # a faster timed-out sample never raises it
+    assert path.goodput_bps == pytest.approx(40e6)
+    assert regranted_ms(1000.0, 1) == 1000.0 and regranted_ms(1000.0, 3) == 4000.0
+    # A store dripping 64 KiB a minute: 8 Mbit of KV would derive hours; the store cuts at 300 s.
+    path.observe_timeout(65_536, 60.0)
+    drip = path.deadline(1 << 30, None).ms
+    assert drip > 1e7 and regranted_ms(drip, 1) == MAX_REGRANT_MS
 
 
 def test_a_connection_attempt_outlives_a_300ms_handshake() -> None:

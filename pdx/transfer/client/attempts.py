@@ -23,7 +23,7 @@ from pdx.tcp import bdp_bytes, buffer_limits, window_for
 from pdx.transfer.audit import AuditLog
 from pdx.transfer.contract import KVClientConfig, KVError, KVErrorCode
 from pdx.transfer.metrics import KVMetrics, TransferRecord
-from pdx.transfer.path import Deadline, PathEstimate
+from pdx.transfer.path import Deadline, PathEstimate, regranted_ms
 from pdx.transfer.retry import GlobalRetryBudget, backoff_s
 from pdx.transfer.rpc import map_rpc_error
 
@@ -135,9 +135,9 @@ class Attempts:
 
     def regrant(self, req: Request) -> None:
         """A new deadline for a timed-out Get's next attempt: derived from the estimate (which
-        its timeout just lowered), doubled per timeout already spent, counted from now."""
+        its timeout just lowered), doubled per timeout already spent (capped), from now."""
         d = self.path.deadline(req.size, None)
-        ms = round(d.ms * 2 ** max(0, req.retries - 1), 1)
+        ms = round(regranted_ms(d.ms, req.retries), 1)
         req.deadline = replace(d, ms=ms)
         req.deadline_s = time.monotonic() + ms / 1000
         req.epoch += 1
