@@ -138,10 +138,10 @@ def _root(
 
 def _register() -> None:
     """Attach every command group; each module exposes ``register(app)`` and imports lazily."""
-    from pdx.cli import accept, deploy, faults, kv, measure_kv, probe, simulate, trace
+    from pdx.cli import accept, deploy, faults, kv, link_watch, measure_kv, probe, simulate, trace
 
     _flags_take_no_type()
-    for module in (measure_kv, probe, faults, simulate, kv, deploy, accept, trace):
+    for module in (measure_kv, probe, link_watch, faults, simulate, kv, deploy, accept, trace):
         module.register(app)
 
 

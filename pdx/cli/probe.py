@@ -24,7 +24,7 @@ _FACTORS |= {"MB": 1000**2, "MIB": MIB, "MI": MIB, "G": 1000**3, "GB": 1000**3}
 _FACTORS |= {"GIB": 1024**3, "GI": 1024**3}
 
 
-def parse_sizes(text: str, field: str = "--chunk-sizes") -> list[int]:
+def parse_sizes(text: str, field: str = "--chunk-sizes", most: int = 64 * MIB) -> list[int]:
     """``256KiB,1MiB,4MB,1048576`` into byte counts (KiB/MiB binary, KB/MB decimal)."""
     sizes = []
     for part in text.split(","):
@@ -33,8 +33,8 @@ def parse_sizes(text: str, field: str = "--chunk-sizes") -> list[int]:
             raise InputError(field, part, "sizes like 256KiB, 1MiB, 4MB or plain bytes")
         value = float(match.group(1)) * _FACTORS[(match.group(2) or "").upper()]
         sizes.append(int(value))
-    if any(s < 1 or s > 64 * MIB for s in sizes):
-        raise InputError(field, text, "every size between 1 byte and 64 MiB")
+    if any(s < 1 or s > most for s in sizes):
+        raise InputError(field, text, f"every size between 1 byte and {human_bytes(most)}")
     return sizes
 
 

@@ -417,26 +417,30 @@ class MtuResult:
     header_bytes: int
     probes: int
     kernel_mtu: int | None
+    bytes_sent: int = 0  # IP bytes of every probe the search sent
 
 
-def discover_mtu(session: ProbeSession, *, timeout_s: float = 0.3, tries: int = 3) -> MtuResult:
-    """Binary search over probe sizes with ``IP_PMTUDISC_DO``: the largest size echoed back wins."""
+def discover_mtu(
+    session: ProbeSession, *, timeout_s: float = 0.3, tries: int = 3, max_mtu: int = 65535
+) -> MtuResult:
+    """Binary search over probe sizes with ``IP_PMTUDISC_DO``: the largest size echoed back wins
+    (searched up to the kernel's path MTU and ``max_mtu``)."""
     sock = _udp_socket(session)
     set_dont_fragment(sock)
     header = 48 if sock.family == socket.AF_INET6 else 28
-    counter = [0]
+    counter = [0, 0]  # probes sent, their IP bytes
     try:
         low = proto.PROBE.size
         if not _probe_size(sock, session, low, timeout_s, tries, counter):
             raise MeasurementError("no UDP probe came back during the MTU search")
-        high = min(kernel_path_mtu(sock) or 65535, 65535) - header
+        high = min(kernel_path_mtu(sock) or 65535, 65535, max_mtu) - header
         while low < high:
             mid = (low + high + 1) // 2
             if _probe_size(sock, session, mid, timeout_s, tries, counter):
                 low = mid
             else:
                 high = mid - 1
-        return MtuResult(low + header, header, counter[0], kernel_path_mtu(sock))
+        return MtuResult(low + header, header, counter[0], kernel_path_mtu(sock), counter[1])
     finally:
         sock.close()
 
@@ -456,6 +460,7 @@ def _probe_size(
         probe = proto.Probe(proto.KIND_REQUEST, 0xFFFF, session.session_id, seq, time.time_ns())
         try:
             sock.send(proto.pack_probe(probe, key, size))
+            counter[1] += size + (48 if sock.family == socket.AF_INET6 else 28)
         except OSError as exc:
             if exc.errno == errno.EMSGSIZE:
                 return False  # the kernel already knows the path is smaller

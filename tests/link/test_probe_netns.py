@@ -114,3 +114,50 @@ def test_probe_link_advice_agrees_with_its_own_measurements(lossy_link) -> None:
     else:
         assert chosen is None and rule["status"] == "fail", rule["detail"]
         assert "kv.chunk_size_kb" not in rec["set"]
+
+
+def _set_loss(cfg: netns.NetnsConfig, loss: float) -> None:
+    """Change the link's loss live (the other conditions as the fixture made them)."""
+    netns.up(netns.make_config(prefix=cfg.prefix, emulator="userspace", seed=1, delay_ms=10,
+                               loss=loss))  # fmt: skip
+
+
+def test_link_watch_sees_the_rtt_and_fails_the_loss_rule_when_loss_rises(lossy_link) -> None:
+    """link-watch across the namespaces: RTT as the emulator sets it; the loss rule fails once
+    a live change raises loss to 1 % (and not before, on a clean link)."""
+    server = subprocess.Popen(
+        ["ip", "netns", "exec", lossy_link.prefill, PDX, "probe-server", "--bind", PREFILL_ADDR,
+         "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    _set_loss(lossy_link, 0.0)
+    try:
+        assert server.stdout is not None
+        found = re.search(r"tcp (\d+)", server.stdout.readline())
+        assert found
+        watch = subprocess.Popen(
+            ["ip", "netns", "exec", lossy_link.decode, PDX, "link-watch",
+             f"{PREFILL_ADDR}:{found.group(1)}", "--window", "2", "--interval-ms", "5",
+             "--judge-window", "4", "--goodput-every", "0", "--mtu-every", "0",
+             "--metrics-port", "-1", "--ttft-budget-ms", "500", "--duration", "11", "--json"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )  # fmt: skip
+        assert watch.stdout is not None
+        records = [json.loads(watch.stdout.readline()) for _ in range(2)]
+        _set_loss(lossy_link, 0.01)
+        out, err = watch.communicate(timeout=60)
+        records += [json.loads(line) for line in out.splitlines()]
+    finally:
+        _set_loss(lossy_link, 0.002)
+        server.terminate()
+        server.wait(timeout=10)
+    assert watch.returncode == 1, err  # NO-GO: the last judged window fails the loss rule
+    windows = [r for r in records if "summary" not in r]
+    assert all(w["error"] is None for w in windows)
+    clean, lossy = windows[:2], windows[-2:]
+    for w in windows:
+        assert w["rtt_ms"]["p50"] == pytest.approx(20.0, rel=0.05)
+    assert all(w["judged"]["rules"]["loss"]["status"] != "fail" for w in clean)
+    assert all(w["judged"]["rules"]["loss"]["status"] == "fail" for w in lossy)
+    lost = sum(w["lost"]["up"] + w["lost"]["down"] for w in lossy)
+    sent = sum(w["probes"] for w in lossy)
+    assert 0.01 <= lost / sent <= 0.04  # 1 % each way, within what ~800 probes show
