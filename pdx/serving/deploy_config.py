@@ -57,6 +57,21 @@ class KVConfig(BaseModel):
     connections: Connections = 1
     congestion_control: CongestionControl = "bbr"
     link_gbps: LinkGbps = None
+    max_link_gbps: float | None = Field(
+        None,
+        gt=0,
+        le=10_000,
+        description="the most KV the prefill site sends across the link, Gbit/s: each "
+        "prefill's store paces its Gets (kernel TCP pacing) to its share, this / prefill.count, "
+        "split across the Gets it sends at once; null = unpaced (docs/kv-transfer.md)",
+    )
+    max_link_share: float | None = Field(
+        None,
+        gt=0,
+        le=1,
+        description="the same cap as a share of kv.link_gbps (needs it); the smaller of the two "
+        "caps wins when both are set",
+    )
     kv_retry_budget: RetryBudget = DEFAULT_RETRY_BUDGET
     kv_ttl_seconds: TTLSeconds = DEFAULT_TTL_S
     max_inflight_kv: InflightKV = DEFAULT_MAX_INFLIGHT_KV
@@ -98,6 +113,30 @@ class KVConfig(BaseModel):
                 "the gRPC port; use auto or grpc (with via_proxy KV moves over gRPC)"
             )
         return self
+
+    @model_validator(mode="after")
+    def _share_of_a_known_link(self) -> KVConfig:
+        if self.max_link_share is not None and self.link_gbps is None:
+            raise ValueError(
+                f"kv.max_link_share: {self.max_link_share} is a share of kv.link_gbps, which is "
+                "not set; set kv.link_gbps (the link's rate, e.g. from pdx probe-link) or give "
+                "the cap as kv.max_link_gbps"
+            )
+        if self.link_cap_gbps is not None and self.transport == "grpc":
+            raise ValueError(
+                "kv.max_link_gbps/max_link_share pace the store's data plane; kv.transport: "
+                "grpc moves KV inside gRPC, which pdx cannot pace; use auto or data"
+            )
+        return self
+
+    @property
+    def link_cap_gbps(self) -> float | None:
+        """The cap on KV across the link, Gbit/s (the smaller of the two settings), or None."""
+        caps = [self.max_link_gbps]
+        if self.max_link_share is not None and self.link_gbps is not None:
+            caps.append(self.max_link_share * self.link_gbps)
+        given = [c for c in caps if c is not None]
+        return min(given) if given else None
 
     @field_validator("codec")
     @classmethod

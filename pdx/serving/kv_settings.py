@@ -35,8 +35,18 @@ CLIENT_FIELDS: dict[str, str] = {
 }
 #: ``kv.<key>``s no contract config has: how prefill encodes and stores, and the deployment's
 #: fault proxy and audit files (``audit_dir`` names each store's ``audit_path``).
+#: ``max_link_gbps``/``max_link_share`` set the stores' ``max_get_gbps`` (each prefill's share).
 DEPLOY_ONLY: frozenset[str] = frozenset(
-    {"codec", "streaming", "via_proxy", "proxy_host", "proxy_control_host", "audit_dir"}
+    {
+        "codec",
+        "streaming",
+        "via_proxy",
+        "proxy_host",
+        "proxy_control_host",
+        "audit_dir",
+        "max_link_gbps",
+        "max_link_share",
+    }
 )
 
 
@@ -47,9 +57,11 @@ def _mapped(kv: KVConfig, fields: dict[str, str]) -> dict[str, Any]:
 def kv_store_config(cfg: DeployConfig, opts: NodeOptions) -> KVStoreConfig:
     """The store a prefill instance holds, from the deploy config."""
     kv, pc = cfg.kv, cfg.prefill
+    cap = kv.link_cap_gbps
     return KVStoreConfig.model_validate(
         {
             **_mapped(kv, STORE_FIELDS),
+            "max_get_gbps": None if cap is None else cap / max(pc.count, 1),
             "host": opts.host or pc.host,
             "port": opts.pick_port(pc.kv_port, opts.kv_port),
             "tls": tls_for(opts.cert_dir, "kv-store"),

@@ -304,6 +304,9 @@ class KVStoreConfig(BaseModel):
     # BDP), which bounds what one connection can hold of the store's memory.
     congestion_control: CongestionControl = "bbr"
     max_send_buffer_bytes: int = Field(default=64 * 1024 * 1024, ge=0, le=1 << 30)
+    # The most this store's Gets send across the link, Gbit/s: the data plane paces each
+    # connection sending a Get at this divided by the Gets sending at once (None: unpaced).
+    max_get_gbps: float | None = Field(default=None, gt=0, le=10_000)
     # Limits against hostile peers (docs/kv-transfer.md, "Security and limits"). Peers are
     # told apart by certificate identity, else by source address.
     max_connections: int = Field(default=256, ge=1, le=65536)  # data-plane connections

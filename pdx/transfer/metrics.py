@@ -86,6 +86,16 @@ class KVMetrics:
         self.inflight = Gauge("pdx_kv_inflight", "Transfers in flight", ["side"], registry=r)
         self.store_bytes = Gauge("pdx_kv_store_bytes", "Bytes held by the store", registry=r)
         self.store_objects = Gauge("pdx_kv_store_objects", "Objects held by the store", registry=r)
+        self.link_cap = Gauge(
+            "pdx_kv_link_cap_bits_per_second",
+            "The most the store's Gets may send across the link (kv.max_link_gbps; 0: unpaced)",
+            registry=r,
+        )
+        self.paced = Gauge(
+            "pdx_kv_paced_connections",
+            "Data-plane connections sending a Get under the cap",
+            registry=r,
+        )
         self._records: deque[TransferRecord] = deque(maxlen=keep_records)
 
     def add_record(self, rec: TransferRecord) -> None:

@@ -112,6 +112,7 @@ def _data_server(service: KVService, cfg: KVStoreConfig) -> DataServer:
         max_frame_bytes=cfg.chunk_size_kb_max * 1024,
         congestion_control=cfg.congestion_control,
         max_send_buffer_bytes=cfg.max_send_buffer_bytes,
+        max_get_gbps=cfg.max_get_gbps,
         limits=DataLimits(
             max_connections=cfg.max_connections,
             max_unauthenticated=cfg.max_unauthenticated,

@@ -70,3 +70,23 @@ def test_every_mapped_value_arrives(tmp_path: Path) -> None:
 def test_via_proxy_sends_every_byte_over_grpc() -> None:
     cfg = load_deploy_config(dotted=["kv.via_proxy=true"])
     assert kv_client_config(cfg, "decode").transport == "grpc"
+
+
+def test_the_link_cap_reaches_each_prefill_store_as_its_share() -> None:
+    cfg = load_deploy_config(dotted=["kv.max_link_gbps=3", "prefill.count=2"])
+    assert kv_store_config(cfg, NodeOptions(index=1)).max_get_gbps == 1.5
+    both = load_deploy_config(dotted=["kv.link_gbps=10", "kv.max_link_share=0.2",
+                                      "kv.max_link_gbps=5"])  # fmt: skip
+    assert kv_store_config(both, NodeOptions()).max_get_gbps == 2.0  # the smaller cap wins
+    assert kv_store_config(load_deploy_config(), NodeOptions()).max_get_gbps is None
+
+
+def test_a_share_of_an_unknown_link_and_a_cap_on_grpc_are_refused() -> None:
+    import pytest
+
+    from pdx.errors import PdxError
+
+    with pytest.raises(PdxError, match=r"kv.max_link_share: 0.5 is a share of kv.link_gbps"):
+        load_deploy_config(dotted=["kv.max_link_share=0.5"])
+    with pytest.raises(PdxError, match=r"kv.transport: grpc moves KV inside gRPC"):
+        load_deploy_config(dotted=["kv.max_link_gbps=1", "kv.transport=grpc"])

@@ -365,3 +365,35 @@ async def test_auto_uses_grpc_when_the_data_port_does_not_answer(kv_server_facto
     assert bytes(obj.data) == data and [r.retries for r in kv.records()] == [0, 0]
     assert [r.get("transport") for r in server.audit.records(kv_id=kv_id)] == [None, None]
     assert [r["transport"] for r in kv.audit.records(side="client")] == ["grpc", "grpc"]
+
+
+@pytest.mark.parametrize("streams", [1, 4])
+async def test_gets_are_paced_to_the_stores_cap_however_many_run(kv_server_factory, streams):
+    """max_get_gbps caps what the store's Gets send, split across the Gets sending at once:
+    one Get and two at once move at most the cap (kernel pacing, SO_MAX_PACING_RATE); an
+    unpaced store on the same loopback moves far more, so the cap is what is measured."""
+    cap_gbps = 0.4
+    # 24 MiB: loopback's 64 KB segments let each new connection's first window (~640 KB)
+    # leave before pacing spaces it, a few % of this and negligible at a WAN's 1,500 bytes
+    data = os.urandom(24 << 20)
+
+    async def rates(target: str) -> tuple[float, float]:
+        async with KVClient(target, _cfg(streams=streams, chunk_size_kb=1024,
+                                         kv_transfer_timeout_ms=60_000)) as kv:  # fmt: skip
+            kv_id = await kv.put(data)
+            start = time.perf_counter()
+            await kv.get(kv_id)
+            one = len(data) * 8 / (time.perf_counter() - start) / 1e9
+            start = time.perf_counter()
+            await asyncio.gather(kv.get(kv_id), kv.get(kv_id))
+            two = 2 * len(data) * 8 / (time.perf_counter() - start) / 1e9
+            return one, two
+
+    server, target = await kv_server_factory(max_get_gbps=cap_gbps, budget_bytes=1 << 28)
+    one, two = await rates(target)
+    assert 0.5 * cap_gbps <= one <= 1.1 * cap_gbps, one
+    assert 0.5 * cap_gbps <= two <= 1.1 * cap_gbps, two
+    assert server.service.metrics.value("pdx_kv_link_cap_bits_per_second") == cap_gbps * 1e9
+    assert server.service.metrics.value("pdx_kv_paced_connections") == 0  # all ended
+    _, free = await kv_server_factory(budget_bytes=1 << 28)
+    assert min(await rates(free)) > 2 * cap_gbps

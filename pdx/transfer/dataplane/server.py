@@ -13,9 +13,10 @@ import contextlib
 import logging
 import socket
 import ssl
+import struct
 import threading
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Iterator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -181,6 +182,53 @@ class _OneLine:
 REJECTS_PER_S = 20
 
 
+SO_MAX_PACING_RATE = getattr(socket, "SO_MAX_PACING_RATE", 47)  # Linux; bytes per second
+
+
+class LinkPacer:
+    """Keeps the store's Gets under ``max_get_gbps``: each connection sending a Get is paced
+    at the cap divided by the connections sending at once, re-divided as Gets start and end.
+
+    The kernel paces (``SO_MAX_PACING_RATE``: TCP's own pacing, or the fq qdisc where it is
+    the root), so packets leave evenly spaced at the rate; a sleep between writes in Python
+    would still let each write leave as a line-rate burst of a whole socket buffer, which is
+    what takes the headroom a link verdict assumed.
+    """
+
+    def __init__(self, max_get_gbps: float | None, metrics: KVMetrics) -> None:
+        self.bytes_per_s = (max_get_gbps or 0.0) * 1e9 / 8
+        self.metrics = metrics
+        self._sending: set[Conn] = set()
+        self._lock = threading.Lock()
+        metrics.link_cap.set(self.bytes_per_s * 8)
+
+    @contextlib.contextmanager
+    def sending(self, conn: Conn) -> Iterator[None]:
+        """Pace ``conn`` (and re-pace the others) while it sends one Get."""
+        if not self.bytes_per_s:
+            yield
+            return
+        with self._lock:
+            self._sending.add(conn)
+            self._pace()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._sending.discard(conn)
+                self._pace()
+
+    def _pace(self) -> None:
+        self.metrics.paced.set(len(self._sending))
+        if not self._sending:
+            return
+        rate = max(1, int(self.bytes_per_s / len(self._sending)))
+        value = struct.pack("Q" if rate > 0xFFFFFFFE else "I", rate)
+        for conn in self._sending:
+            with contextlib.suppress(OSError):  # a socket closing under us
+                conn.sock.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, value)
+
+
 class DataServer:
     """The store's data-plane listener: one thread accepts, one thread per connection."""
 
@@ -195,6 +243,7 @@ class DataServer:
         max_frame_bytes: int,
         congestion_control: str = "system",
         max_send_buffer_bytes: int = 0,
+        max_get_gbps: float | None = None,
         limits: DataLimits | None = None,
     ) -> None:
         self.service = service
@@ -209,6 +258,7 @@ class DataServer:
             congestion_control if congestion_control in self.available_cc else None
         )
         self.max_send_buffer_bytes = max_send_buffer_bytes
+        self.pacer = LinkPacer(max_get_gbps, service.metrics)
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.socket(family, socket.SOCK_STREAM)
         self._listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -537,14 +587,15 @@ class DataServer:
             # holds every byte the client can have read): last_leaves(bytes, chunks).
             if not chunks:
                 last_leaves(0, 0)
-            conn.send_frame(Kind.INFO, info.SerializeToString())
-            for n, (index, digest, data) in enumerate(chunks, 1):
-                self._progress(conn)
-                if n == len(chunks):
-                    last_leaves(outcome.nbytes + len(data), n)
-                conn.send_chunk(index, digest, data)
-                outcome.nbytes += len(data)
-                outcome.chunks += 1
+            with self.pacer.sending(conn):
+                conn.send_frame(Kind.INFO, info.SerializeToString())
+                for n, (index, digest, data) in enumerate(chunks, 1):
+                    self._progress(conn)
+                    if n == len(chunks):
+                        last_leaves(outcome.nbytes + len(data), n)
+                    conn.send_chunk(index, digest, data)
+                    outcome.nbytes += len(data)
+                    outcome.chunks += 1
         except (OSError, TimeoutError) as exc:
             outcome.error = self._stalled(conn, request.kv_id, None) or connection_error(
                 exc, request.kv_id, None
