@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from pdx.accept.load.section import Load
 from pdx.config import build_config, read_yaml
+from pdx.faults.wan.cross import CrossTrafficSpec
 from pdx.faults.wan.timeline import WanEvent
 
 _Strict = ConfigDict(extra="forbid")
@@ -178,6 +179,11 @@ class Condition(BaseModel):
         description="target.netns: changes of the router hop during the step (the WAN "
         "timeline's events: at_s and set / cut / restore / reset), after its pre-flight",
     )
+    cross_traffic: CrossTrafficSpec | None = Field(
+        default=None,
+        description="target.netns: bulk TCP flows sharing the router hop for the whole step "
+        "(flows, cc, direction), started before its pre-flight probe",
+    )
 
     @model_validator(mode="after")
     def _link_down_pair(self) -> Condition:
@@ -204,6 +210,7 @@ class Condition(BaseModel):
             or self.bandwidth_mbps
             or self.link_down_at_s is not None
             or bool(self.wan_events)
+            or self.cross_traffic is not None
         )
 
 
@@ -527,11 +534,12 @@ class Playbook(BaseModel):
             raise ValueError("baseline: colocated needs target.deploy (pdx's gateway routes it)")
         for name in self.matrix.network:
             events = self.conditions[name].wan_events
-            if events and not self.target.netns.enabled:
-                raise ValueError(
-                    f"conditions.{name}.wan_events need target.netns (they change the router "
-                    "hop's packet-level conditions)"
-                )
+            for key in ("wan_events", "cross_traffic"):
+                if getattr(self.conditions[name], key) and not self.target.netns.enabled:
+                    raise ValueError(
+                        f"conditions.{name}.{key} need target.netns (they act on the router "
+                        "hop between the sites)"
+                    )
             length, field = self.step_duration_s(name)
             if any(e.at_s >= length for e in events):
                 raise ValueError(

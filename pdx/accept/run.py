@@ -429,6 +429,7 @@ class AcceptRun:
             from pdx.accept.target.netns import counters_delta as router_delta
 
             kernel["router_counters"] = router_delta(router_before, await self.topology.counters())
+            kernel["cross_traffic_achieved"] = await self.topology.stop_cross_traffic()
             kernel["tcp"] = await self.topology.tcp_between_sites(tcp_readings)  # TCP's own RTT
         gate = await self._collect_gates(step, step_dir, t0)
         outcome = self._finish_step(

@@ -8,7 +8,7 @@ from typing import Any
 
 import typer
 
-from pdx.cli.output import console, to_jsonable
+from pdx.cli.output import to_jsonable
 from pdx.cli.probe import VERDICT_EXIT_CODES, _check_range, _secret, parse_sizes
 from pdx.errors import InputError, MeasurementError
 
@@ -169,19 +169,20 @@ def _print_window(record: dict[str, Any], as_json: bool) -> None:
         print(json.dumps(to_jsonable(record)), flush=True)
         return
     if record["error"] is not None:
-        console().print(f"window failed: {record['error']}")
+        typer.echo(f"window failed: {record['error']}")
         return
     rtt = record["rtt_ms"] or {}
     judged = record["judged"]
     rules = ", ".join(
         f"{name} {r['status']}" for name, r in judged["rules"].items() if r["status"] != "skip"
     )
-    console().print(
+    typer.echo(
         f"probes {record['probes']} lost up {record['lost']['up']} down {record['lost']['down']}"
         f" · RTT p50 {rtt.get('p50', float('nan')):.2f} p99 {rtt.get('p99', float('nan')):.2f} ms"
         f" · jitter {record['jitter_ms']} ms"
         + _goodput_text(record)
         + (f" · MTU {record['mtu']}" if record["mtu"] else "")
+        + (" (--mtu-max)" if record.get("mtu_capped") else "")
         + f" · {judged['seconds']:g} s judged: {judged['result']} ({rules})"
     )
 
@@ -199,7 +200,7 @@ def _print_summary(summary: dict[str, Any], as_json: bool) -> None:
         return
     sent = summary["sent_bytes"]
     budget = summary["budget_bytes_per_min"]["total"]
-    console().print(
+    typer.echo(
         f"stopped after {summary['elapsed_s']:.0f} s: {summary['windows']} windows "
         f"({summary['failed_windows']} failed), sent {sent['total']:,} B, busiest minute "
         f"{summary['busiest_minute_bytes']:,} B (budget {budget:,} B/min); "

@@ -439,6 +439,7 @@ class LinkWatch:
                 "goodput_bytes": w.goodput_bytes,
                 "goodput_capped": w.goodput_capped,
                 "mtu": w.mtu,
+                "mtu_capped": w.mtu is not None and w.mtu >= self.opts.mtu_max,
             }
             verdict = self.judgement()
             record["judged"] = {

@@ -195,3 +195,24 @@ def test_proxy_counters_sum_both_directions_of_a_toxic() -> None:
     ]
     c = counters({"toxics": rows})
     assert c["per_toxic"] == {"delay": {"bytes": 1000, "chunks": 5}} and c["toxic_bytes"] == 1000
+
+
+def test_cross_traffic_is_a_netns_condition_with_bounded_flows() -> None:
+    pb = load_playbook(PLAYBOOKS / "cross-dc-lite.yaml")
+    shared = pb.conditions["wan40-shared"].cross_traffic
+    assert shared is not None and (shared.flows, shared.cc, shared.direction) == (
+        2,
+        "cubic",
+        "down",
+    )
+    assert pb.conditions["wan40-shared"].is_fault
+    with pytest.raises(ConfigError, match=r"conditions.normal.cross_traffic need target.netns"):
+        load_playbook(
+            PLAYBOOKS / "smoke.yaml", dotted=["conditions.normal.cross_traffic={flows: 1}"]
+        )
+    with pytest.raises(ConfigError, match=r"flows"):
+        load_playbook(PLAYBOOKS / "cross-dc-lite.yaml",
+                      dotted=["conditions.wan40-shared.cross_traffic={flows: 0}"])  # fmt: skip
+    too_long = "conditions.wan40-shared.cross_traffic={max_seconds: 99999}"
+    with pytest.raises(ConfigError, match=r"max_seconds"):
+        load_playbook(PLAYBOOKS / "cross-dc-lite.yaml", dotted=[too_long])

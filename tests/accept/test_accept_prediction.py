@@ -98,7 +98,7 @@ def test_the_step_prediction_follows_the_measured_link() -> None:
 def test_netns_playbook_options_validate() -> None:
     pb = load_playbook(PLAYBOOKS / "cross-dc-lite.yaml")
     steps = expand_steps(pb)
-    assert 5 <= len(steps) <= 7 and pb.prediction.enabled
+    assert 5 <= len(steps) <= 9 and pb.prediction.enabled
     assert {s.network for s in steps} == set(pb.matrix.network)
     with pytest.raises(ConfigError, match="exclude"):
         load_playbook(PLAYBOOKS / "cross-dc-lite.yaml", dotted=["matrix.exclude=[{colour: 1}]"])

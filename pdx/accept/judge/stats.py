@@ -8,6 +8,7 @@ Percentiles are numpy's linear interpolation (as ``vllm bench serve``).
 from __future__ import annotations
 
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -148,6 +149,12 @@ def _transfer_counts(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
     transfer_ms = [float(p["transfer_ms"]) for p in pdx_objs if p.get("transfer_ms") is not None]
     transfer_ms = [t for t in transfer_ms if t > 0]
     retries = sum(int(p.get("retries") or 0) for p in pdx_objs)
+    # each transfer's own rate: its KV bytes over its transfer time (what KV got while it moved)
+    rates = [
+        int(p["kv_bytes"]) * 8 / float(p["transfer_ms"]) / 1e6
+        for p in pdx_objs
+        if p.get("kv_bytes") and p.get("transfer_ms") and float(p["transfer_ms"]) > 0
+    ]
     outcomes = Counter(str(p["transfer_outcome"]) for p in pdx_objs if p.get("transfer_outcome"))
     attempted = sum(outcomes.values())
     succeeded = outcomes.get("ok", 0)
@@ -162,6 +169,7 @@ def _transfer_counts(all_rows: list[dict[str, Any]]) -> dict[str, Any]:
         "kv_created": sum(1 for p in pdx_objs if p.get("kv_id")),
         "transfer_ms": transfer_ms,
         "kv_bytes": sum(int(p.get("kv_bytes") or 0) for p in pdx_objs),
+        "kv_transfer_gbps_p50": round(statistics.median(rates), 4) if rates else None,
         "with_pdx_object": len(pdx_objs),
     }
 

@@ -407,6 +407,14 @@ def _kernel_lines(s: StepReport) -> list[str]:
             f"ms, smoothed {_num(tcp.get('rtt_ms'), '.1f')} ms, {tcp.get('retrans', 0)} "
             "segments retransmitted"
         )
+    for d, out in (k.get("cross_traffic_achieved") or {}).items():
+        kv = s.summary.get("kv_transfer_gbps_p50")
+        seen.append(
+            f"  - cross-traffic {d}: {out.get('flows')} {out.get('cc')} flow(s), median "
+            f"{_num(out.get('median_mbit'), '.0f')} Mbit/s over the step; KV beside them: "
+            f"{_num(None if kv is None else kv * 1000, '.0f')} Mbit/s per transfer (median of "
+            "each transfer's bytes over its time)"
+        )
     return [
         f"- **{s.id}** ({s.network}): router hop, {how}: {k.get('summary', '-')}; during the "
         f"step {'; '.join(moved) or 'no counters'}; service: {s.summary.get('retries', 0)} "

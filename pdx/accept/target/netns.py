@@ -74,6 +74,7 @@ class Topology:
         self.host_dev = f"{opts.prefix}-h"
         self.host_addr, self.site_addr = _free_host_link()
         self.created = False
+        self.cross: Any = None  # the step's CrossTraffic while it runs
 
     @property
     def prefill_ns(self) -> str:
@@ -152,7 +153,16 @@ class Topology:
         await asyncio.to_thread(netns.up, self.cfg.with_conditions(wan))
         state = await asyncio.to_thread(netns.status, self.cfg)
         w = state.get("wan", {})
+        await self.stop_cross_traffic()  # a step that failed before its end left them running
+        if c.cross_traffic is not None:
+            from pdx.faults.netns import SUBNET_DECODE
+            from pdx.faults.wan.cross import CrossTraffic
+
+            ends = {"prefill": (self.prefill_ns, self.prefill_addr),
+                    "decode": (self.decode_ns, f"{SUBNET_DECODE}.1")}  # fmt: skip
+            self.cross = await asyncio.to_thread(CrossTraffic(c.cross_traffic, ends).start)
         return {
+            "cross_traffic": None if c.cross_traffic is None else c.cross_traffic.model_dump(),
             "emulator": w.get("emulator", "none"),
             "conditions": wan.model_dump(mode="json"),
             "summary": wan.summary(),
@@ -245,10 +255,24 @@ class Topology:
             "decode_side": received,
         }
 
+    async def stop_cross_traffic(self) -> dict[str, Any] | None:
+        """Stop the step's cross-traffic; per direction, what its flows achieved (the sink's
+        Mbit/s each second, and their median after the first 3 s of ramp-up), or None."""
+        if self.cross is None:
+            return None
+        cross, self.cross = self.cross, None
+        result: dict[str, Any] = await asyncio.to_thread(cross.stop)
+        for out in result.values():
+            series = (out.get("sink") or {}).get("mbit_per_s") or []
+            steady = series[3:] or series
+            out["median_mbit"] = statistics.median(steady) if steady else None
+        return result
+
     async def down(self) -> None:
         """Delete the namespaces (their veths, the host link included, go with them)."""
         from pdx.faults import netns
 
+        await self.stop_cross_traffic()
         if self.created:
             await asyncio.to_thread(netns.down, self.cfg)
             await asyncio.to_thread(_ip, "link", "del", self.host_dev, check=False)
