@@ -168,3 +168,26 @@ def test_trace_summary_counts_what_crossed_not_what_was_offered() -> None:
     assert vllm_pair["kv_bytes_from"] == NIXL_BYTES
     assert vllm_pair["engine_hit_ratio"] == {"decode-0": 0.25}
     assert trace_summary([{"input_len": 5}], {}) is None
+
+
+def test_kv_rate_per_transfer_and_cross_traffic_beside_it_in_the_report() -> None:
+    from pdx.accept.report.content import fault_lines
+    from pdx.accept.report.schema import Report, StepReport
+
+    rows = [
+        {**row, "pdx": {"kv_bytes": 125_000_000, "transfer_ms": ms}}
+        for row, ms in zip(_rows([10.0] * 3), (1000.0, 2000.0, 4000.0), strict=True)
+    ]
+    summary = summarize(rows, elapsed_s=10.0)
+    assert summary["kv_transfer_gbps_p50"] == 0.5  # 1 Gbit in 2 s, the median transfer
+    kernel = {"emulator": "userspace", "summary": "down rate 1000 Mbit/s",
+              "cross_traffic_achieved": {"down": {"flows": 2, "cc": "cubic",
+                                                  "median_mbit": 487.1}}}  # fmt: skip
+    step = StepReport(id="s0", index=0, network="shared", condition={}, input_tokens=1,
+                      output_tokens=1, concurrency=1, rate_rps=None, duration_s=10,
+                      elapsed_s=10, valid=True, validity_problems=[], summary=summary,
+                      metrics_delta={}, kernel=kernel)  # fmt: skip
+    report = Report.model_construct(steps=[step])
+    text = "\n".join(fault_lines(report))
+    assert ("cross-traffic down: 2 cubic flow(s), median 487 Mbit/s over the step; KV beside "
+            "them: 500 Mbit/s per transfer") in text  # fmt: skip
