@@ -223,3 +223,13 @@ def test_the_shipped_alert_rules_pass_promtool() -> None:
         check=False,
     )
     assert unit.returncode == 0 and "SUCCESS" in unit.stdout, unit.stdout + unit.stderr
+
+
+def test_a_watch_proves_the_secret_and_a_wrong_one_fails_its_windows(secret_server) -> None:
+    opts = {"duration_s": 0.6, "goodput_every_s": 0.0, "mtu_every_s": 0.0}
+    good = LinkWatch(_opts(secret_server, secret=b"s3cret", **opts)).run()
+    assert good["failed_windows"] == 0 and good["windows"] >= 1
+    records: list[dict] = []
+    bad = LinkWatch(_opts(secret_server, secret=b"wrong", **opts)).run(records.append)
+    assert bad["failed_windows"] == bad["windows"] >= 1
+    assert "authentication failed" in records[0]["error"]
