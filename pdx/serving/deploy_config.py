@@ -562,7 +562,6 @@ kv:
   kv_retry_budget: 2
   kv_ttl_seconds: 120
 router:
-  degrade_p99_ms: 50
   success_rate_threshold: 0.999
 gateway:
   host: 127.0.0.1

@@ -136,6 +136,12 @@ def test_the_breaker_bound_is_a_share_of_the_ttft_budget_unless_given() -> None:
     assert RouterConfig(ttft_budget_ms=5000).breaker_p99_ms == 1000.0
     assert RouterConfig(degrade_share_of_ttft=0.1, ttft_budget_ms=5000).breaker_p99_ms == 500.0
     assert RouterConfig(degrade_p99_ms=50, ttft_budget_ms=5000).breaker_p99_ms == 50.0
+    # what pdx deploy runs with no config file: the embedded default YAML names no bound
+    from pdx.serving.deploy_config import load_deploy_config
+
+    assert load_deploy_config().router.breaker_p99_ms == 400.0
+    sets = ["router.ttft_budget_ms=8000"]  # what pdx accept passes for an 8 s TTFT criterion
+    assert load_deploy_config(dotted=sets).router.breaker_p99_ms == 1600.0
     br = CircuitBreaker(RouterConfig(breaker_min_samples=5, ttft_budget_ms=1000))
     for _ in range(5):
         br.record(True, 150.0)  # a WAN transfer well inside 20 % of a 1 s TTFT
