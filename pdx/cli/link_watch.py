@@ -184,6 +184,7 @@ def _print_window(record: dict[str, Any], as_json: bool) -> None:
         + (f" · MTU {record['mtu']}" if record["mtu"] else "")
         + (" (--mtu-max)" if record.get("mtu_capped") else "")
         + f" · {judged['seconds']:g} s judged: {judged['result']} ({rules})"
+        + "".join(f" · {note}" for note in record["notes"])
     )
 
 

@@ -118,7 +118,8 @@ class Window:
     goodput_capped: bool = False
     mtu: int | None = None
     bytes_sent: dict[str, int] = field(default_factory=dict)
-    error: str | None = None
+    error: str | None = None  # the window measured nothing
+    notes: list[str] = field(default_factory=list)  # a goodput sample or MTU search that failed
 
 
 class WatchMetrics:
@@ -267,14 +268,14 @@ class LinkWatch:
         try:
             with session:
                 self._probe(session, w, max(seconds, self.opts.interval_ms / 1000.0))
+                # A sample that fails keeps the window's probes (noted), and is not retried
+                # before its time: a refusing server must not draw it every window.
                 if goodput_due and not self._stop.is_set():
-                    self._goodput_sample(session, w)
                     self._next_goodput = now + self.opts.goodput_every_s
+                    self._extra(w, "goodput", lambda: self._goodput_sample(session, w))
                 if mtu_due and not self._stop.is_set():
-                    result = phases.discover_mtu(session, max_mtu=self.opts.mtu_max)
-                    w.mtu = self.last_mtu = result.mtu
-                    w.bytes_sent["mtu"] = result.bytes_sent
                     self._next_mtu = now + self.opts.mtu_every_s
+                    self._extra(w, "mtu", lambda: self._mtu_search(session, w))
         except (MeasurementError, OSError) as exc:
             w.error = str(exc)
         w.bytes_sent["control"] = CONTROL_BYTES_PER_WINDOW
@@ -302,6 +303,18 @@ class LinkWatch:
         if rtt:
             w.jitter_ms = rfc3550_jitter(rtt[s] for s in run.arrival_order)
         w.bytes_sent["probes"] = run.sent * (self.opts.probe_bytes + IPV4_UDP_HEADER)
+
+    @staticmethod
+    def _extra(w: Window, what: str, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except (MeasurementError, OSError) as exc:
+            w.notes.append(f"{what} failed: {exc}")
+
+    def _mtu_search(self, session: ProbeSession, w: Window) -> None:
+        result = phases.discover_mtu(session, max_mtu=self.opts.mtu_max)
+        w.mtu = self.last_mtu = result.mtu
+        w.bytes_sent["mtu"] = result.bytes_sent
 
     def _goodput_sample(self, session: ProbeSession, w: Window) -> None:
         """A short sample in 10 ms bins: bytes over the bins from the first byte to the last.
@@ -427,6 +440,7 @@ class LinkWatch:
             "at": round(w.ended, 3),
             "window_s": round(w.ended - w.started, 3),
             "error": w.error,
+            "notes": list(w.notes),
             "bytes_sent": dict(w.bytes_sent),
         }
         if w.error is None:

@@ -233,3 +233,17 @@ def test_a_watch_proves_the_secret_and_a_wrong_one_fails_its_windows(secret_serv
     bad = LinkWatch(_opts(secret_server, secret=b"wrong", **opts)).run(records.append)
     assert bad["failed_windows"] == bad["windows"] >= 1
     assert "authentication failed" in records[0]["error"]
+
+
+def test_a_refused_goodput_sample_keeps_the_windows_probes_and_is_not_retried_at_once() -> None:
+    from pdx.link.server import ServerLimits, ServerThread
+
+    limits = ServerLimits(anonymous_session_bytes=100_000)  # far less than the 4 MiB sample
+    with ServerThread(ProbeServer("127.0.0.1", 0, limits=limits)) as st:
+        records: list[dict] = []
+        summary = LinkWatch(_opts(st.server, mtu_every_s=0.0, duration_s=5.0)).run(records.append)
+    assert summary["failed_windows"] == 0 and len(records) >= 2
+    first, later = records[0], records[1:]
+    assert first["error"] is None and first["probes"] > 50  # the probes still count
+    assert len(first["notes"]) == 1 and first["notes"][0].startswith("goodput failed:")
+    assert all(r["notes"] == [] for r in later)  # next sample only after --goodput-every
