@@ -180,9 +180,7 @@ class Condition(BaseModel):
         "timeline's events: at_s and set / cut / restore / reset), after its pre-flight",
     )
     cross_traffic: CrossTrafficSpec | None = Field(
-        default=None,
-        description="target.netns: bulk TCP flows sharing the router hop for the whole step "
-        "(flows, cc, direction), started before its pre-flight probe",
+        None, description="target.netns: bulk TCP flows on the router hop for the whole step"
     )
 
     @model_validator(mode="after")
