@@ -180,7 +180,7 @@ class Condition(BaseModel):
         "timeline's events: at_s and set / cut / restore / reset), after its pre-flight",
     )
     cross_traffic: CrossTrafficSpec | None = Field(
-        None, description="target.netns: bulk TCP flows on the router hop for the whole step"
+        default=None, description="target.netns: bulk TCP flows on the router hop for the step"
     )
 
     @model_validator(mode="after")
