@@ -207,8 +207,7 @@ class LinkWatch:
         self.by_minute: dict[int, int] = collections.defaultdict(int)  # minutes since start
         self.windows = 0
         self.errors = 0
-        self.last_goodput: tuple[float, float] | None = None  # (when, Gbit/s)
-        self.last_mtu: int | None = None
+        self.last_goodput_gbps: float | None = None  # the last sample no byte cap ended
         self._next_goodput = 0.0
         self._next_mtu = 0.0
         self._stop = threading.Event()
@@ -313,7 +312,7 @@ class LinkWatch:
 
     def _mtu_search(self, session: ProbeSession, w: Window) -> None:
         result = phases.discover_mtu(session, max_mtu=self.opts.mtu_max)
-        w.mtu = self.last_mtu = result.mtu
+        w.mtu = result.mtu
         w.bytes_sent["mtu"] = result.bytes_sent
 
     def _goodput_sample(self, session: ProbeSession, w: Window) -> None:
@@ -337,7 +336,7 @@ class LinkWatch:
             span = (max(busy) - min(busy) + 1) * interval
             w.goodput_gbps = moved * 8 / span / 1e9
             if not w.goodput_capped:
-                self.last_goodput = (time.time(), w.goodput_gbps)
+                self.last_goodput_gbps = w.goodput_gbps
         sent = moved * TCP_OVERHEAD if self.opts.direction == "up" else moved * 0.03
         w.bytes_sent["goodput"] = math.ceil(sent)
 
@@ -395,8 +394,8 @@ class LinkWatch:
             }
         if rtts:
             report["rtt_ms"] = {q: percentile(rtts, p) for q, p in (("p50", 50), ("p99", 99))}
-        if self.last_goodput is not None:
-            report["throughput"][f"{self.opts.direction}_gbps"] = self.last_goodput[1]
+        if self.last_goodput_gbps is not None:
+            report["throughput"][f"{self.opts.direction}_gbps"] = self.last_goodput_gbps
         return report
 
     def judgement(self) -> dict[str, Any]:
