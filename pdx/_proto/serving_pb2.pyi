@@ -58,19 +58,21 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "codec")
+    __slots__ = ("request_id", "token_ids", "sampling", "codec", "kv_start_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
+    KV_START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     codec: str
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., codec: _Optional[str] = ...) -> None: ...
+    kv_start_token: int
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., codec: _Optional[str] = ..., kv_start_token: _Optional[int] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
-    __slots__ = ("kv_id", "first_token", "kv_endpoint", "kv_bytes", "kv_raw_bytes", "prefill_ms", "store_ms", "queue_ms", "model_version", "codec", "kv_overlap_bytes", "kv_overlap_ms", "kv_streamed")
+    __slots__ = ("kv_id", "first_token", "kv_endpoint", "kv_bytes", "kv_raw_bytes", "prefill_ms", "store_ms", "queue_ms", "model_version", "codec", "kv_overlap_bytes", "kv_overlap_ms", "kv_streamed", "cached_tokens", "kv_start_token")
     KV_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     KV_ENDPOINT_FIELD_NUMBER: _ClassVar[int]
@@ -84,6 +86,8 @@ class PrefillReply(_message.Message):
     KV_OVERLAP_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_OVERLAP_MS_FIELD_NUMBER: _ClassVar[int]
     KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     kv_id: str
     first_token: int
     kv_endpoint: str
@@ -97,7 +101,9 @@ class PrefillReply(_message.Message):
     kv_overlap_bytes: int
     kv_overlap_ms: float
     kv_streamed: bool
-    def __init__(self, kv_id: _Optional[str] = ..., first_token: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_raw_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., model_version: _Optional[str] = ..., codec: _Optional[str] = ..., kv_overlap_bytes: _Optional[int] = ..., kv_overlap_ms: _Optional[float] = ..., kv_streamed: _Optional[bool] = ...) -> None: ...
+    cached_tokens: int
+    kv_start_token: int
+    def __init__(self, kv_id: _Optional[str] = ..., first_token: _Optional[int] = ..., kv_endpoint: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., kv_raw_bytes: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., store_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., model_version: _Optional[str] = ..., codec: _Optional[str] = ..., kv_overlap_bytes: _Optional[int] = ..., kv_overlap_ms: _Optional[float] = ..., kv_streamed: _Optional[bool] = ..., cached_tokens: _Optional[int] = ..., kv_start_token: _Optional[int] = ...) -> None: ...
 
 class PrefillFirstToken(_message.Message):
     __slots__ = ("first_token", "prefill_ms", "queue_ms", "model_version", "first_logprob")
@@ -132,7 +138,7 @@ class PrefillEvent(_message.Message):
     def __init__(self, first: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., stored: _Optional[_Union[PrefillReply, _Mapping]] = ..., opened: _Optional[_Union[PrefillOpened, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_id", "kv_endpoint", "first_token", "has_first_token", "degrade_reason", "first_token_in_kv")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_id", "kv_endpoint", "first_token", "has_first_token", "degrade_reason", "first_token_in_kv", "kv_start_token")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +148,7 @@ class GenerateRequest(_message.Message):
     HAS_FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DEGRADE_REASON_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IN_KV_FIELD_NUMBER: _ClassVar[int]
+    KV_START_TOKEN_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -151,10 +158,11 @@ class GenerateRequest(_message.Message):
     has_first_token: bool
     degrade_reason: str
     first_token_in_kv: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., first_token: _Optional[int] = ..., has_first_token: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., first_token_in_kv: _Optional[bool] = ...) -> None: ...
+    kv_start_token: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., first_token: _Optional[int] = ..., has_first_token: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., first_token_in_kv: _Optional[bool] = ..., kv_start_token: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("route", "degraded", "degrade_reason", "kv_bytes", "transfer_ms", "retries", "queue_ms", "local_prefill_ms", "first_step_ms", "transfer_outcome", "instance", "kv_streamed", "kv_wait_ms", "kv_bytes_while_writing")
+    __slots__ = ("route", "degraded", "degrade_reason", "kv_bytes", "transfer_ms", "retries", "queue_ms", "local_prefill_ms", "first_step_ms", "transfer_outcome", "instance", "kv_streamed", "kv_wait_ms", "kv_bytes_while_writing", "cached_tokens", "computed_tokens")
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     DEGRADE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -169,6 +177,8 @@ class GenerateStats(_message.Message):
     KV_STREAMED_FIELD_NUMBER: _ClassVar[int]
     KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_WHILE_WRITING_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     route: str
     degraded: bool
     degrade_reason: str
@@ -183,7 +193,9 @@ class GenerateStats(_message.Message):
     kv_streamed: bool
     kv_wait_ms: float
     kv_bytes_while_writing: int
-    def __init__(self, route: _Optional[str] = ..., degraded: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., retries: _Optional[int] = ..., queue_ms: _Optional[float] = ..., local_prefill_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., transfer_outcome: _Optional[str] = ..., instance: _Optional[str] = ..., kv_streamed: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., kv_bytes_while_writing: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    computed_tokens: int
+    def __init__(self, route: _Optional[str] = ..., degraded: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., retries: _Optional[int] = ..., queue_ms: _Optional[float] = ..., local_prefill_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., transfer_outcome: _Optional[str] = ..., instance: _Optional[str] = ..., kv_streamed: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., kv_bytes_while_writing: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "stats", "logprobs")
@@ -202,7 +214,7 @@ class DecodeStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeStatusReply(_message.Message):
-    __slots__ = ("healthy", "queue_depth", "running", "max_batch", "max_queue", "kv_budget_bytes", "kv_free_bytes", "model_version", "instance", "vocab_size", "max_context_tokens", "prefill_tflops", "kv_bytes_per_token")
+    __slots__ = ("healthy", "queue_depth", "running", "max_batch", "max_queue", "kv_budget_bytes", "kv_free_bytes", "model_version", "instance", "vocab_size", "max_context_tokens", "prefill_tflops", "kv_bytes_per_token", "prefix_cache_bytes", "prefix_block_tokens")
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
@@ -216,6 +228,8 @@ class DecodeStatusReply(_message.Message):
     MAX_CONTEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFILL_TFLOPS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_PER_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
     healthy: bool
     queue_depth: int
     running: int
@@ -229,4 +243,22 @@ class DecodeStatusReply(_message.Message):
     max_context_tokens: int
     prefill_tflops: float
     kv_bytes_per_token: float
-    def __init__(self, healthy: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., model_version: _Optional[str] = ..., instance: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., prefill_tflops: _Optional[float] = ..., kv_bytes_per_token: _Optional[float] = ...) -> None: ...
+    prefix_cache_bytes: int
+    prefix_block_tokens: int
+    def __init__(self, healthy: _Optional[bool] = ..., queue_depth: _Optional[int] = ..., running: _Optional[int] = ..., max_batch: _Optional[int] = ..., max_queue: _Optional[int] = ..., kv_budget_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., model_version: _Optional[str] = ..., instance: _Optional[str] = ..., vocab_size: _Optional[int] = ..., max_context_tokens: _Optional[int] = ..., prefill_tflops: _Optional[float] = ..., kv_bytes_per_token: _Optional[float] = ..., prefix_cache_bytes: _Optional[int] = ..., prefix_block_tokens: _Optional[int] = ...) -> None: ...
+
+class CacheEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheEvent(_message.Message):
+    __slots__ = ("stored", "removed", "cleared", "block_tokens")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    CLEARED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    stored: _containers.RepeatedScalarFieldContainer[int]
+    removed: _containers.RepeatedScalarFieldContainer[int]
+    cleared: bool
+    block_tokens: int
+    def __init__(self, stored: _Optional[_Iterable[int]] = ..., removed: _Optional[_Iterable[int]] = ..., cleared: _Optional[bool] = ..., block_tokens: _Optional[int] = ...) -> None: ...

@@ -160,6 +160,11 @@ class DecodeStub:
                 request_serializer=serving__pb2.DecodeStatusRequest.SerializeToString,
                 response_deserializer=serving__pb2.DecodeStatusReply.FromString,
                 _registered_method=True)
+        self.CacheEvents = channel.unary_stream(
+                '/pdx.serving.v1.Decode/CacheEvents',
+                request_serializer=serving__pb2.CacheEventsRequest.SerializeToString,
+                response_deserializer=serving__pb2.CacheEvent.FromString,
+                _registered_method=True)
 
 
 class DecodeServicer:
@@ -177,6 +182,12 @@ class DecodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CacheEvents(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -189,6 +200,11 @@ def add_DecodeServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=serving__pb2.DecodeStatusRequest.FromString,
                     response_serializer=serving__pb2.DecodeStatusReply.SerializeToString,
+            ),
+            'CacheEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.CacheEvents,
+                    request_deserializer=serving__pb2.CacheEventsRequest.FromString,
+                    response_serializer=serving__pb2.CacheEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -245,6 +261,33 @@ class Decode:
             '/pdx.serving.v1.Decode/Status',
             serving__pb2.DecodeStatusRequest.SerializeToString,
             serving__pb2.DecodeStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CacheEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdx.serving.v1.Decode/CacheEvents',
+            serving__pb2.CacheEventsRequest.SerializeToString,
+            serving__pb2.CacheEvent.FromString,
             options,
             channel_credentials,
             insecure,

@@ -16,11 +16,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -32,16 +31,25 @@ from pdx.serving.backends.base import KVState, ModelBackend
 from pdx.serving.backends.kvwire import StreamRebuild, decode_kv
 from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_problem
 from pdx.serving.deploy_config import DecodeConfig, DeployConfig, NodeOptions
-from pdx.serving.kv_settings import kv_client_config
+from pdx.serving.kv_source import ClientSource, KVSource
 from pdx.serving.node import run_child, stop_serving
 from pdx.serving.prefill import check_prompt
+from pdx.serving.prefix_cache import (
+    PrefixCache,
+    Reuse,
+    cache_supported,
+    keep,
+    prefill_with,
+    reuse,
+    token_join,
+)
 from pdx.serving.rpc import create_server, set_serving, start_health_server
 from pdx.tls import tls_for
 from pdx.transfer.audit import AuditLog
-from pdx.transfer.client import KVClient
 from pdx.transfer.contract import KVError, KVErrorCode
 
 log = logging.getLogger("pdx.decode")
+MAX_CACHE_SUBSCRIBERS = 16  # routers watching one decode's prefix cache
 
 
 class KVUnusable(PdxError):
@@ -54,48 +62,6 @@ class KVUnusable(PdxError):
 
 class DecodeFailed(ServingError):
     """A sequence could not be decoded (its batch step raised)."""
-
-
-@dataclass
-class Fetched:
-    """One completed KV read."""
-
-    payload: bytes | memoryview
-    layout: dict[str, Any]
-    kv_bytes: int
-    transfer_ms: float
-    retries: int
-    model_version: str = ""
-    # Streamed KV (kv.streaming): the object's tail (prefill's first token), how long the
-    # Get waited on the writer and the bytes stored only after it began.
-    tail: bytes = b""
-    streamed: bool = False
-    wait_ms: float = 0.0
-    bytes_while_writing: int = 0
-    joined: Callable[[], bytes | memoryview] | None = None  # payload, joined on demand
-
-
-class KVSource(Protocol):
-    """How decode reads KV from a prefill instance's store (the transfer layer)."""
-
-    async def fetch(self, endpoint: str, kv_id: str) -> Fetched:
-        """Read the whole object (deadline, retries, checksums); raise KVError on failure."""
-        ...
-
-    async def fetch_streamed(
-        self, endpoint: str, kv_id: str, on_bytes: Callable[[str, memoryview], None]
-    ) -> Fetched:
-        """Read an object that may still be written, chunks as they are stored; ``on_bytes``
-        gets the codec and each verified chunk's bytes in order, as they arrive."""
-        ...
-
-    async def release(self, endpoint: str, kv_id: str) -> None:
-        """Acknowledge: the object may be deleted now."""
-        ...
-
-    async def renew(self, endpoint: str, kv_id: str) -> None:
-        """Extend the lease while the request waits for memory."""
-        ...
 
 
 @dataclass
@@ -115,6 +81,7 @@ class Sequence:
     logprobs: list[serving_pb2.TokenLogprob | None] = field(default_factory=list)  # per token
     kv_need_bytes: int = 0  # the KV it holds at its longest (prompt + max_tokens)
     kv_reserved_bytes: int = 0  # reserved against the budget (given back when it ends)
+    found: Reuse | None = None  # prefix blocks pinned in decode's cache until the KV is built
 
     @property
     def prompt(self) -> list[int]:
@@ -134,6 +101,8 @@ class DecodeEngine:
         self.joining: list[Sequence] = []
         self.admitted = 0  # accepted and not yet finished (waiting + running)
         self.kv = KVReservations(cfg.kv_budget_bytes)
+        # Finished prompts' KV in blocks, in the budget's unreserved part (evicted first).
+        self.cache: PrefixCache | None = None
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -160,6 +129,11 @@ class DecodeEngine:
     def capacity(self) -> int:
         """Most sequences admitted at once (batch + queue)."""
         return self.cfg.max_batch + self.cfg.max_queue
+
+    def enable_cache(self, block_tokens: int) -> None:
+        """Keep a prefix cache in what requests have not reserved of the KV budget."""
+        if cache_supported(self.backend):
+            self.cache = PrefixCache(block_tokens, lambda: self.kv.free_bytes)
 
     def start(self) -> None:
         """Start the step loop."""
@@ -289,7 +263,30 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             vocab_size=e.backend.vocab_size,
             max_context_tokens=e.backend.max_context_tokens,
             prefill_tflops=e.backend.prefill_tflops,
+            prefix_cache_bytes=e.cache.bytes if e.cache else 0,
+            prefix_block_tokens=e.cache.block_tokens if e.cache else 0,
         )
+
+    async def CacheEvents(
+        self, request: serving_pb2.CacheEventsRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[serving_pb2.CacheEvent]:
+        """What the prefix cache holds: a snapshot, then every change (the router's view)."""
+        cache = self.engine.cache
+        if cache is None:
+            return
+        if cache.subscribers >= MAX_CACHE_SUBSCRIBERS:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "too many cache watchers")
+        queue = cache.subscribe()
+        try:
+            while (ev := await queue.get()) is not None:
+                yield serving_pb2.CacheEvent(
+                    stored=ev.stored,
+                    removed=ev.removed,
+                    cleared=ev.cleared,
+                    block_tokens=cache.block_tokens,
+                )
+        finally:
+            cache.unsubscribe(queue)
 
     async def Generate(
         self, request: serving_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -303,6 +300,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         ) or sampling_problem(request.sampling, e.backend.vocab_size)
         if problem or request.sampling.max_tokens < 1:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem or "max_tokens < 1")
+        if request.kv_start_token and (why := self._start_problem(request)):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         prompt, most = len(request.prompt_token_ids), request.sampling.max_tokens
         need = e.kv_need_bytes(prompt, most)
         if not e.kv.fits_ever(need):
@@ -323,6 +322,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             self._release_if_due(seq)  # also when the request ended early
             self._release_unused(seq)
             self._record(seq)
+            self._unpin(seq)
             seq.cancelled = not seq.finish_reason
             seq.state = None
             e.admitted -= 1
@@ -340,6 +340,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             # room in the KV budget first (prefill's first token, if any, is already out)
             await self.engine.kv.take(seq.kv_need_bytes, while_waiting=lambda: self._renew(req))
             seq.kv_reserved_bytes = seq.kv_need_bytes
+            if self.engine.cache is not None:
+                self.engine.cache.fit()  # the cache lives in what is not reserved
             await self._obtain_kv(seq)
         seq.stats.queue_ms = (time.perf_counter() - arrived) * 1e3
         if not seq.finish_reason:
@@ -357,7 +359,10 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
 
     async def _obtain_kv(self, seq: Sequence) -> None:
         req, st = seq.request, seq.stats
-        if req.kv_id:
+        if req.kv_id and not self._pin_prefix(seq):
+            st.route = "disaggregated"
+            self._degrade(seq, "decode_prefix_evicted")  # its KV was cut for blocks now gone
+        elif req.kv_id:
             st.route = "disaggregated"
             try:
                 await self._fetch(seq)
@@ -431,12 +436,13 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         if got.model_version and got.model_version != e.backend.model_version:
             # KV from other weights would decode into silently wrong tokens: never use it.
             raise KVUnusable("model_version_mismatch", f"KV from {got.model_version}")
-        length = len(req.prompt_token_ids)
+        length = len(req.prompt_token_ids) - req.kv_start_token
         if rebuild and got.joined is not None:
             seq.state = rebuild[0].finish(got.joined, got.kv_bytes, got.layout, e.backend, length)
         else:
             payload = got.joined() if got.joined is not None else got.payload
             seq.state = await e.run_model(decode_kv, payload, got.layout, e.backend, length)
+        await self._stitch(seq)
         # Acknowledge only once the KV is rebuilt here: then the store may delete it. The
         # acknowledgement is one more round trip: it is sent once this sequence's first decoded
         # token is out (see _serve), not between the fetch and that token.
@@ -499,7 +505,8 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             transfer_outcome=st.transfer_outcome or None,
             kv_bytes=st.kv_bytes,
             prompt_tokens=len(req.prompt_token_ids),
-            prompt_tokens_from_kv=len(req.prompt_token_ids) if used_kv else 0,
+            prompt_tokens_from_kv=len(req.prompt_token_ids) - st.cached_tokens if used_kv else 0,
+            cached_tokens=st.cached_tokens,
             local_prefill=bool(st.local_prefill_ms),
             outcome="finished" if seq.finish_reason else ("failed" if seq.error else "cancelled"),
             tokens=len(seq.tokens),
@@ -512,11 +519,68 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             with contextlib.suppress(KVError):
                 await self.kv.renew(req.kv_endpoint, req.kv_id)
 
+    def _start_problem(self, req: serving_pb2.GenerateRequest) -> str | None:
+        cache, start = self.engine.cache, req.kv_start_token
+        if cache is None:
+            return f"kv_start_token {start}: decode {self.engine.instance} keeps no prefix cache"
+        if start % cache.block_tokens or start >= len(req.prompt_token_ids):
+            return (
+                f"kv_start_token {start}: expected a multiple of the cache's "
+                f"{cache.block_tokens}-token blocks, before the prompt's last token"
+            )
+        return None
+
+    def _pin_prefix(self, seq: Sequence) -> bool:
+        """Pin the cached prefix the shipped KV continues; False when it is no longer held."""
+        start, cache = seq.request.kv_start_token, self.engine.cache
+        if not start or cache is None:
+            return True
+        seq.found = reuse(cache, seq.prompt, start // cache.block_tokens)
+        if seq.found.cached_tokens == start:
+            return True
+        self._unpin(seq)
+        return False
+
+    def _unpin(self, seq: Sequence) -> None:
+        if seq.found is not None and self.engine.cache is not None:
+            self.engine.cache.unpin(seq.found.blocks)
+        seq.found = None
+
+    async def _stitch(self, seq: Sequence) -> None:
+        """Cached prefix + received suffix → the prompt's KV; its blocks join the cache."""
+        e, found = self.engine, seq.found
+        if found is not None and found.blocks and seq.state is not None:
+            seq.state = await e.run_model(_join_prefix, e.backend, found, seq.state)
+            seq.stats.cached_tokens = found.cached_tokens
+        self._keep(seq, found)
+
+    def _keep(self, seq: Sequence, found: Reuse | None) -> None:
+        e = self.engine
+        if e.cache is not None and seq.state is not None:
+            found = found if found is not None else reuse(None, [])
+            if not found.hashes:
+                found = Reuse(e.cache.hashes(seq.prompt), [], e.cache.block_tokens)
+            keep(e.cache, e.backend, found, seq.state)
+            e.cache.count(len(seq.prompt), seq.stats.cached_tokens)
+        elif found is not None and e.cache is not None:
+            e.cache.unpin(found.blocks)
+        seq.found = None
+
     async def _local_prefill(self, seq: Sequence) -> None:
         e, prompt = self.engine, seq.prompt
+        self._unpin(seq)
+        found = reuse(e.cache, prompt)
         t0 = time.perf_counter()
-        seq.state, logits = await e.run_model(e.backend.prefill, prompt)
+        try:
+            seq.state, logits = await e.run_model(prefill_with, e.backend, prompt, found)
+        except BaseException:
+            if e.cache is not None:
+                e.cache.unpin(found.blocks)
+            raise
         seq.stats.local_prefill_ms = (time.perf_counter() - t0) * 1e3
+        seq.stats.cached_tokens = found.cached_tokens
+        seq.stats.computed_tokens = len(prompt) - found.cached_tokens
+        self._keep(seq, found)
         if not seq.tokens:
             picked = e.pick(seq, logits)
             e.emit(seq, picked.token, picked.message())
@@ -524,73 +588,12 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             seq.state = None
 
 
-class ClientSource:
-    """Reads KV with the transfer client (one client per store endpoint, opened on first use)."""
-
-    def __init__(self, cfg: DeployConfig, cert_dir: Path | None) -> None:
-        self._client_cfg = kv_client_config(cfg, "decode")
-        self._tls = tls_for(cert_dir, "decode")
-        self._clients: dict[str, Any] = {}
-
-    def _client(self, endpoint: str) -> Any:
-        if endpoint not in self._clients:
-            self._clients[endpoint] = KVClient(endpoint, self._client_cfg, tls=self._tls)
-        return self._clients[endpoint]
-
-    async def fetch(self, endpoint: str, kv_id: str) -> Fetched:
-        """Whole-object Get with the client's deadline, retry budget and checksums."""
-        client = self._client(endpoint)
-        t0 = time.perf_counter()
-        obj = await client.get(kv_id)
-        ms = (time.perf_counter() - t0) * 1e3
-        layout = {
-            "codec": obj.layout.codec,
-            "shapes": obj.layout.shapes,
-            "tensor_bytes": obj.layout.tensor_bytes,
-        }
-        retries = next(
-            (r.retries for r in reversed(client.records()) if r.kv_id == kv_id and r.op == "get"),
-            0,
-        )
-        size = int(obj.info.size_bytes)
-        return Fetched(obj.data, layout, size, ms, retries, obj.info.model_version)
-
-    async def fetch_streamed(
-        self, endpoint: str, kv_id: str, on_bytes: Callable[[str, memoryview], None]
-    ) -> Fetched:
-        """A Get of an object still being written (gRPC; chunks as they are stored)."""
-        client = self._client(endpoint)
-        t0 = time.perf_counter()
-
-        def on_chunk(info: Any, data: memoryview) -> None:
-            on_bytes(info.layout.codec, data)
-
-        got = await client.get_streamed(kv_id, on_chunk=on_chunk)
-        ms = (time.perf_counter() - t0) * 1e3
-        obj = got.obj
-        layout = {
-            "codec": obj.layout.codec,
-            "shapes": obj.layout.shapes,
-            "tensor_bytes": obj.layout.tensor_bytes,
-        }
-        size = int(obj.info.size_bytes)
-        return Fetched(b"", layout, size, ms, got.record.retries, obj.info.model_version,
-                       tail=bytes(obj.info.tail), streamed=True, wait_ms=got.wait_ms,
-                       bytes_while_writing=got.bytes_while_writing,
-                       joined=lambda: obj.data)  # fmt: skip
-
-    async def release(self, endpoint: str, kv_id: str) -> None:
-        """Acknowledge release."""
-        await self._client(endpoint).release(kv_id)
-
-    async def renew(self, endpoint: str, kv_id: str) -> None:
-        """Extend the lease."""
-        await self._client(endpoint).renew(kv_id)
-
-    async def close(self) -> None:
-        """Close every client."""
-        for client in self._clients.values():
-            await client.close()
+def _join_prefix(backend: ModelBackend, found: Reuse, suffix: KVState) -> KVState:
+    """(model thread) The prompt's KV: the pinned cached blocks, then the received suffix."""
+    axes = backend.kv_token_axes(suffix.tensors)
+    assert axes is not None
+    tensors = token_join([*(b.tensors for b in found.blocks), suffix.tensors], axes)
+    return KVState(tensors, found.cached_tokens + suffix.length, suffix.roles)
 
 
 class DecodeNode:
@@ -613,6 +616,8 @@ class DecodeNode:
         dc, host = cfg.decode, opts.host or cfg.decode.host
         backend = await asyncio.to_thread(create_backend, cfg.model)
         node.engine = DecodeEngine(backend, dc, instance=f"decode-{opts.index}")
+        if cfg.prefix_cache.enabled:
+            node.engine.enable_cache(cfg.prefix_cache.block_tokens)
         node.engine.start()
         node.source = ClientSource(cfg, opts.cert_dir)
         port = opts.pick_port(dc.port, opts.port)

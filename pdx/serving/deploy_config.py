@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 from pdx.config import build_config, read_yaml
 from pdx.errors import PdxError
 from pdx.serving.backends.base import BackendConfig
+from pdx.serving.offload_config import OffloadConfig, PrefixCacheConfig
 from pdx.tls import TLSSettings
 from pdx.transfer.contract import (
     DEFAULT_CHUNK_KB,
@@ -132,10 +133,9 @@ class KVConfig(BaseModel):
     @property
     def link_cap_gbps(self) -> float | None:
         """The cap on KV across the link, Gbit/s (the smaller of the two settings), or None."""
-        caps = [self.max_link_gbps]
-        if self.max_link_share is not None and self.link_gbps is not None:
-            caps.append(self.max_link_share * self.link_gbps)
-        given = [c for c in caps if c is not None]
+        share, rate = self.max_link_share, self.link_gbps
+        share = share * rate if share is not None and rate is not None else None
+        given = [c for c in (self.max_link_gbps, share) if c is not None]
         return min(given) if given else None
 
     @field_validator("codec")
@@ -221,6 +221,7 @@ class RouterConfig(BaseModel):
     sticky: bool = True
     sticky_entries: int = Field(10000, ge=1)
     status_poll_ms: float = Field(250.0, gt=0)
+    offload: OffloadConfig = Field(default_factory=lambda: OffloadConfig.model_validate({}))
 
     @property
     def breaker_p99_ms(self) -> float:
@@ -493,6 +494,7 @@ class DeployConfig(BaseModel):
     prefill: PrefillConfig = Field(default_factory=lambda: PrefillConfig.model_validate({}))
     decode: DecodeConfig = Field(default_factory=lambda: DecodeConfig.model_validate({}))
     kv: KVConfig = Field(default_factory=lambda: KVConfig.model_validate({}))
+    prefix_cache: PrefixCacheConfig = PrefixCacheConfig.model_validate({})  # copied per config
     router: RouterConfig = Field(default_factory=lambda: RouterConfig.model_validate({}))
     gateway: GatewayConfig = Field(default_factory=lambda: GatewayConfig.model_validate({}))
     tls: TLSSettings = Field(default_factory=lambda: TLSSettings.model_validate({}))
@@ -601,12 +603,13 @@ NEVER_SHIP = 2**31 - 1  # the break-even says a transfer never beats recomputing
 def local_prefill_threshold(cfg: DeployConfig, prefill_tflops: float | None = None) -> int:
     """Prompt length below which decode prefills locally.
 
-    The configured value; else measure-kv's transfer-vs-recompute break-even for the model
-    and link (``router.link_gbps``, default 10 Gbit/s; the prefill speed measured on decode
-    when given, else ``model.prefill_tflops``); 1024 when the model's KV layout is unknown.
+    The configured value; else measure-kv's transfer-vs-recompute break-even for the model and
+    link (``router.link_gbps``, default 10 Gbit/s; prefill speed measured on decode, else
+    ``model.prefill_tflops``); 1024 when the model's KV layout is unknown.
     """
-    if cfg.router.local_prefill_max_tokens is not None:
-        return cfg.router.local_prefill_max_tokens
+    fixed = cfg.router.offload.threshold_tokens  # else the older key, else the break-even
+    if (fixed := cfg.router.local_prefill_max_tokens if fixed is None else fixed) is not None:
+        return fixed
     config = model_config_json(cfg)
     if config is None:
         return DEFAULT_LOCAL_PREFILL_MAX_TOKENS

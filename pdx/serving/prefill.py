@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -31,6 +31,15 @@ from pdx.serving.backends.sampling import Picked, Sampling, choose, sampling_pro
 from pdx.serving.deploy_config import DeployConfig, NodeOptions, PrefillConfig
 from pdx.serving.kv_settings import PrefillKV, dialable, prefill_kv
 from pdx.serving.node import run_child, stop_serving
+from pdx.serving.prefix_cache import (
+    PrefixCache,
+    Reuse,
+    cache_supported,
+    cut_from,
+    keep,
+    prefill_with,
+    reuse,
+)
 from pdx.serving.rpc import create_server, set_serving, start_health_server
 from pdx.tls import tls_for
 from pdx.transfer.client import KVClient
@@ -110,6 +119,21 @@ class Prefilled:
     queue_ms: float
     done_at: float  # perf_counter() when the model finished
     first_logprob: serving_pb2.TokenLogprob | None = None
+    cached_tokens: int = 0  # prompt tokens taken from this prefill's prefix cache
+    start: int = 0  # the first token that ships (decode holds the ones before)
+
+    def shipped(self, backend: ModelBackend) -> KVState:
+        """The KV that ships: tokens ``start:`` of the prompt's."""
+        if not self.start:
+            return self.state
+        tensors = cut_from(backend, self.state.tensors, self.start)
+        return KVState(tensors, self.state.length - self.start, self.state.roles)
+
+    @property
+    def shipped_raw_bytes(self) -> int:
+        """Bytes of the shipped KV before the codec (every layer holds each token alike)."""
+        n = max(1, self.state.length)
+        return self.state.nbytes * (n - self.start) // n
 
     def first_event(self, backend: ModelBackend) -> serving_pb2.PrefillFirstToken:
         """The first PrefillStream event."""
@@ -123,18 +147,14 @@ class Prefilled:
 
 
 def _prefill_and_pick(
-    backend: ModelBackend, ids: list[int], sampling: Sampling
+    backend: ModelBackend,
+    ids: list[int],
+    sampling: Sampling,
+    found: Reuse,
+    on_layer: LayerSink | None = None,
 ) -> tuple[KVState, Picked]:
     # Sampling on the model thread saves one event-loop round trip before the first token.
-    state, logits = backend.prefill(ids)
-    eos = backend.eos_token_id
-    return state, choose(logits, sampling, prompt=ids, output=[], eos_token_id=eos)
-
-
-def _prefill_layers_and_pick(
-    backend: ModelBackend, ids: list[int], sampling: Sampling, on_layer: LayerSink
-) -> tuple[KVState, Picked]:
-    state, logits = backend.prefill_layers(ids, on_layer)
+    state, logits = prefill_with(backend, ids, found, on_layer)
     eos = backend.eos_token_id
     return state, choose(logits, sampling, prompt=ids, output=[], eos_token_id=eos)
 
@@ -147,9 +167,15 @@ class _LayerWriter:
     """
 
     def __init__(
-        self, writer: Any, codec: str, loop: asyncio.AbstractEventLoop, pool: ThreadPoolExecutor
+        self,
+        writer: Any,
+        codec: str,
+        loop: asyncio.AbstractEventLoop,
+        pool: ThreadPoolExecutor,
+        cut: Callable[[list[Any]], list[Any]] | None = None,
     ) -> None:
         self.writer, self.codec, self.loop, self.pool = writer, codec, loop, pool
+        self.cut = cut  # the part of each layer that ships (decode holds the rest)
         self.encoder = get_codec(codec)
         self.queue: asyncio.Queue[tuple[list[Any], list[str]]] = asyncio.Queue()
         self.shapes: list[list[int]] = []
@@ -161,6 +187,7 @@ class _LayerWriter:
 
     def on_layer(self, tensors: list[Any], roles: list[Any]) -> None:
         """(model thread) One layer's KV exists."""
+        tensors = self.cut(tensors) if self.cut is not None else tensors
         self.loop.call_soon_threadsafe(self.queue.put_nowait, (tensors, list(roles)))
 
     def _encode(self, tensors: list[Any], roles: list[str]) -> list[list[bytes | memoryview]]:
@@ -206,9 +233,15 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
     """
 
     def __init__(
-        self, backend: ModelBackend, cfg: PrefillConfig, kv: PrefillKV, sink: KVSink
+        self,
+        backend: ModelBackend,
+        cfg: PrefillConfig,
+        kv: PrefillKV,
+        sink: KVSink,
+        cache: PrefixCache | None = None,
     ) -> None:
         self.backend = backend
+        self.cache = cache  # this prefill's prefix cache (prefix_cache.*), None when off
         self.cfg = cfg
         self.kv = kv
         self.sink = sink
@@ -286,7 +319,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         try:
             async with self._slots:
                 codec = request.codec or self.kv.codec
-                raw, count = self.backend.kv_bytes_bound(len(ids))
+                raw, count = self.backend.kv_bytes_bound(len(ids) - request.kv_start_token)
                 version, ttl = self.backend.model_version, self.kv.ttl_s
                 try:
                     writer = await self.sink.open(reserve_bytes(raw, count), codec, version, ttl)
@@ -297,9 +330,11 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
                 layers: _LayerWriter | None = None
                 try:
                     yield serving_pb2.PrefillEvent(opened=opened)
+                    start = request.kv_start_token
+                    cut = (lambda t: cut_from(self.backend, t, start)) if start else None
                     layers = _LayerWriter(writer, codec, asyncio.get_running_loop(),
-                                          self._codec_pool)  # fmt: skip
-                    done = await self._compute_streamed(request, ids, arrived, layers)
+                                          self._codec_pool, cut)  # fmt: skip
+                    done = await self._compute(request, ids, arrived, layers.on_layer)
                     writer.mark_overlap()
                     first = done.first_event(self.backend)
                     yield serving_pb2.PrefillEvent(first=first)
@@ -313,30 +348,15 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
                 stored = serving_pb2.PrefillReply(
                     kv_id=writer.kv_id, first_token=done.first_token,
                     kv_endpoint=self.sink.endpoint, kv_bytes=info.size_bytes,
-                    kv_raw_bytes=done.state.nbytes, prefill_ms=done.prefill_ms,
+                    kv_raw_bytes=done.shipped_raw_bytes, prefill_ms=done.prefill_ms,
                     store_ms=(time.perf_counter() - done.done_at) * 1e3, queue_ms=done.queue_ms,
                     model_version=version, codec=codec, kv_overlap_bytes=overlap_bytes,
-                    kv_overlap_ms=overlap_ms, kv_streamed=True,
+                    kv_overlap_ms=overlap_ms, kv_streamed=True, cached_tokens=done.cached_tokens,
+                    kv_start_token=done.start,
                 )  # fmt: skip
                 yield serving_pb2.PrefillEvent(stored=stored)
         finally:
             self._waiting -= 1
-
-    async def _compute_streamed(
-        self,
-        request: serving_pb2.PrefillRequest,
-        ids: list[int],
-        arrived: float,
-        layers: _LayerWriter,
-    ) -> Prefilled:
-        started = time.perf_counter()
-        sampling = Sampling.from_proto(request.sampling)
-        state, first = await asyncio.get_running_loop().run_in_executor(
-            self._model, _prefill_layers_and_pick, self.backend, ids, sampling, layers.on_layer
-        )
-        done = time.perf_counter()
-        queue_ms, prefill_ms = (started - arrived) * 1e3, (done - started) * 1e3
-        return Prefilled(state, first.token, prefill_ms, queue_ms, done, first.message())
 
     def _release_unclaimed(self, put: asyncio.Future[serving_pb2.PrefillReply]) -> None:
         """The caller left before it learnt the kv_id: nobody else can release the object.
@@ -364,19 +384,44 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         )
         if problem:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, problem)
+        if request.kv_start_token and (why := self._start_problem(request.kv_start_token, ids)):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, why)
         return ids
 
+    def _start_problem(self, start: int, ids: list[int]) -> str | None:
+        if start >= len(ids):
+            return f"kv_start_token {start} leaves no token of the {len(ids)}-token prompt to ship"
+        if not cache_supported(self.backend):
+            return f"kv_start_token {start}: this model's KV cannot be cut at a token"
+        return None
+
     async def _compute(
-        self, request: serving_pb2.PrefillRequest, ids: list[int], arrived: float
+        self,
+        request: serving_pb2.PrefillRequest,
+        ids: list[int],
+        arrived: float,
+        on_layer: LayerSink | None = None,
     ) -> Prefilled:
+        """Prefill ``ids``, the cached prefix (this prefill's own cache) not recomputed; the
+        prompt's whole blocks are kept for the next request that shares them."""
         started = time.perf_counter()
         sampling = Sampling.from_proto(request.sampling)
-        state, first = await asyncio.get_running_loop().run_in_executor(
-            self._model, _prefill_and_pick, self.backend, ids, sampling
-        )
+        found = reuse(self.cache, ids)
+        try:
+            state, first = await asyncio.get_running_loop().run_in_executor(
+                self._model, _prefill_and_pick, self.backend, ids, sampling, found, on_layer
+            )
+        except BaseException:
+            if self.cache is not None:
+                self.cache.unpin(found.blocks)
+            raise
         done = time.perf_counter()
+        keep(self.cache, self.backend, found, state)
+        if self.cache is not None:
+            self.cache.count(len(ids), found.cached_tokens)
         queue_ms, prefill_ms = (started - arrived) * 1e3, (done - started) * 1e3
-        return Prefilled(state, first.token, prefill_ms, queue_ms, done, first.message())
+        return Prefilled(state, first.token, prefill_ms, queue_ms, done, first.message(),
+                         found.cached_tokens, request.kv_start_token)  # fmt: skip
 
     def _encode(
         self, request: serving_pb2.PrefillRequest, done: Prefilled
@@ -384,7 +429,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         codec = request.codec or self.kv.codec
         layers = len(done.state.tensors) // 2
         return asyncio.get_running_loop().run_in_executor(
-            self._codec_pool, encode_kv, done.state, codec, layers
+            self._codec_pool, encode_kv, done.shipped(self.backend), codec, layers
         )
 
     async def _store(
@@ -402,12 +447,22 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
             queue_ms=done.queue_ms,
             model_version=self.backend.model_version,
             codec=encoded.layout["codec"],
+            cached_tokens=done.cached_tokens,
+            kv_start_token=done.start,
         )
 
     def close(self) -> None:
         """Stop the worker threads."""
         self._model.shutdown(wait=False, cancel_futures=True)
         self._codec_pool.shutdown(wait=False, cancel_futures=True)
+
+
+def prefill_cache(cfg: DeployConfig, backend: ModelBackend) -> PrefixCache | None:
+    """This prefill's prefix cache, when on and the model's KV can be cut at a token."""
+    pc = cfg.prefix_cache
+    if not pc.enabled or not pc.prefill_budget_bytes or not cache_supported(backend):
+        return None
+    return PrefixCache(pc.block_tokens, lambda: pc.prefill_budget_bytes)
 
 
 def describe(servicer: PrefillServicer) -> dict[str, Any]:
@@ -499,7 +554,7 @@ class PrefillNode:
         tls = tls_for(certs, "prefill")
         node.client = KVClient(local, kv.client, tls=tls)
         sink = StoreSink(node.client, advertised, node.kv_server.service)
-        node.servicer = PrefillServicer(backend, pc, kv, sink)
+        node.servicer = PrefillServicer(backend, pc, kv, sink, prefill_cache(cfg, backend))
         node.server, node.port, health = create_server(
             host, opts.pick_port(pc.port, opts.port), tls
         )

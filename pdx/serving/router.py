@@ -15,8 +15,15 @@ max_queue`` and ``need <= kv_free_bytes`` (it can take *this* request now); with
 candidate the request is refused early (HTTP 429 + Retry-After when all are full, 503 +
 Retry-After when none is up; 400 when its KV exceeds every instance's whole budget), never
 queued without bound. A ``user``/session key sticks to the instance that served it
-while that instance is a candidate. Prompts shorter than ``local_prefill_max_tokens``
-prefill locally on decode; an open circuit breaker sends ``auto`` traffic local too.
+while that instance is a candidate. Otherwise, under a cache-aware policy, each candidate's
+score gains ``router.offload.cache_weight × cached / prompt tokens``: the share of the prompt
+its prefix cache holds (block hashes it reported, compared with the prompt's own).
+
+Offload (``router.offload.policy``): ``length`` (the rule before prefix caches) prefills on
+decode when the prompt is shorter than the threshold and ships the whole prompt's KV otherwise,
+choosing decode by load alone; ``uncached`` when the part of it the chosen decode does not hold
+is shorter, and ships only that part (decode supplies the rest from its cache), choosing decode
+by load and cached share. An open circuit breaker sends ``auto`` traffic local too.
 """
 
 from __future__ import annotations
@@ -24,10 +31,12 @@ from __future__ import annotations
 import math
 import time
 from collections import OrderedDict, deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdx.serving.deploy_config import RouterConfig
+from pdx.serving.prefix_cache import block_hashes, leading_matches, reusable_blocks
 
 Route = Literal["auto", "disaggregated", "local"]
 ROUTES: tuple[str, ...] = ("auto", "disaggregated", "local")
@@ -52,6 +61,15 @@ class DecodeInstance:
     kv_others: int = 0  # reserved by others at the last poll (budget - free - ours then)
     in_flight: int = 0
     down: bool = False  # its process is down, says the supervisor (restarting)
+    block_tokens: int = 0  # its prefix cache's block size (0: none, or not heard from yet)
+    cached_blocks: set[int] = field(default_factory=set)  # block hashes its cache holds
+
+    def cached_tokens(self, hashes: Sequence[int], prompt_tokens: int) -> int:
+        """The leading prompt tokens its prefix cache holds (``hashes``: the prompt's blocks)."""
+        if not self.block_tokens or not hashes:
+            return 0
+        most = reusable_blocks(prompt_tokens, self.block_tokens)
+        return leading_matches(hashes[:most], self.cached_blocks.__contains__) * self.block_tokens
 
     @property
     def capacity(self) -> int:
@@ -186,6 +204,17 @@ class Decision:
     degrade_reason: str = ""
     kv_need_bytes: int = 0  # what the request reserves on ``decode`` (the flow holds it)
     breaker_probe: int = 0  # the breaker's half-open probe number this request carries, or 0
+    cached_tokens: int = 0  # prompt tokens ``decode``'s prefix cache holds (as last reported)
+    uncached_tokens: int = 0  # the rest: what prefill computes and ships when remote
+    policy: str = "length"  # router.offload.policy that decided
+    threshold_tokens: int = 0  # its threshold
+    kv_start_token: int = 0  # remote: the KV ships from here (decode holds the rest)
+
+    def offload(self) -> dict[str, Any]:
+        """The offload decision's inputs, for the response's ``pdx`` object."""
+        return {"policy": self.policy, "threshold_tokens": self.threshold_tokens,
+                "cached_tokens": self.cached_tokens, "uncached_tokens": self.uncached_tokens,
+                "path": self.route}  # fmt: skip
 
 
 @dataclass
@@ -201,15 +230,23 @@ class Router:
         self.breaker = CircuitBreaker(self.cfg)
         self.sticky: OrderedDict[str, str] = OrderedDict()
 
-    def pick_decode(self, user: str | None, tokens: int = 0) -> DecodeInstance | None:
+    def pick_decode(
+        self, user: str | None, tokens: int = 0, cached_share: dict[str, float] | None = None
+    ) -> DecodeInstance | None:
         """Sticky instance if it can take the request (``tokens``: prompt + max_tokens), else
-        the best score; None = reject."""
+        the best score (plus each one's ``cached_share`` of the prompt, weighted); None =
+        reject."""
         if user and self.cfg.sticky and user in self.sticky:
             inst = next((d for d in self.decodes if d.name == self.sticky[user]), None)
             if inst is not None and inst.score(tokens) is not None:
                 self.sticky.move_to_end(user)
                 return inst
-        scored = [(s, d) for d in self.decodes if (s := d.score(tokens)) is not None]
+        weight, shares = self.cfg.offload.cache_weight, cached_share or {}
+        scored = [
+            (s + weight * shares.get(d.name, 0.0), d)
+            for d in self.decodes
+            if (s := d.score(tokens)) is not None
+        ]
         if not scored:
             return None
         best = max(scored, key=lambda pair: pair[0])[1]
@@ -236,26 +273,57 @@ class Router:
         return (need, largest.kv_budget_bytes) if need > largest.kv_budget_bytes else None
 
     def decide(
-        self, requested: str, prompt_tokens: int, user: str | None, max_tokens: int = 0
+        self,
+        requested: str,
+        prompt_tokens: int,
+        user: str | None,
+        max_tokens: int = 0,
+        prompt_ids: Sequence[int] = (),
     ) -> Decision | None:
-        """Path and instances for one request; None when no decode capacity (early rejection)."""
-        decode = self.pick_decode(user, prompt_tokens + max_tokens)
+        """Path and instances for one request; None when no decode capacity (early rejection).
+
+        ``prompt_ids``: the prompt's token ids, compared with what each decode's prefix cache
+        holds (none given: nothing is taken as cached).
+        """
+        policy = self.cfg.offload.policy
+        cached = self._cached(prompt_ids, prompt_tokens)
+        aware = policy != "length"  # length: as before caches, the prompt's length alone
+        shares = {name: n / max(1, prompt_tokens) for name, n in cached.items() if aware}
+        decode = self.pick_decode(user, prompt_tokens + max_tokens, shares)
         if decode is None:
             return None
+        held = cached.get(decode.name, 0)
         need = decode.kv_need_bytes(prompt_tokens + max_tokens)
-        if requested == "local":
-            return Decision("local", decode, kv_need_bytes=need)
-        if requested == "auto" and prompt_tokens < self.local_prefill_max_tokens:
-            return Decision("local", decode, kv_need_bytes=need)
-        prefill = self.pick_prefill()
-        if prefill is None:
-            return Decision("local", decode, degrade_reason="prefill_unavailable",
-                            kv_need_bytes=need)  # fmt: skip
-        probe = 0
+        decision = Decision("local", decode, kv_need_bytes=need, cached_tokens=held,
+                            uncached_tokens=prompt_tokens - held, policy=policy,
+                            threshold_tokens=self.local_prefill_max_tokens,
+                            kv_start_token=held if aware else 0)  # fmt: skip
+        measured = prompt_tokens - held if aware else prompt_tokens
+        if requested == "local" or (
+            requested == "auto" and measured < self.local_prefill_max_tokens
+        ):
+            return decision
+        decision.prefill = self.pick_prefill()
+        if decision.prefill is None:
+            decision.degrade_reason = "prefill_unavailable"
+            return decision
         if requested == "auto":
             was_closed = self.breaker.state == "closed"
             if not self.breaker.allow():
-                why = f"circuit_open:{self.breaker.reason}"
-                return Decision("local", decode, degrade_reason=why, kv_need_bytes=need)
-            probe = 0 if was_closed else self.breaker.probe_seq
-        return Decision("disaggregated", decode, prefill, kv_need_bytes=need, breaker_probe=probe)
+                decision.prefill = None
+                decision.degrade_reason = f"circuit_open:{self.breaker.reason}"
+                return decision
+            decision.breaker_probe = 0 if was_closed else self.breaker.probe_seq
+        decision.route = "disaggregated"
+        return decision
+
+    def _cached(self, prompt_ids: Sequence[int], prompt_tokens: int) -> dict[str, int]:
+        """Per decode, the leading tokens of the prompt its prefix cache holds."""
+        sizes = {d.block_tokens for d in self.decodes if d.block_tokens}
+        out: dict[str, int] = {}
+        for size in sizes if prompt_ids else ():
+            hashes = block_hashes(prompt_ids, size)
+            for d in self.decodes:
+                if d.block_tokens == size and d.cached_blocks:
+                    out[d.name] = d.cached_tokens(hashes, prompt_tokens)
+        return out

@@ -170,6 +170,19 @@ def test_trace_summary_counts_what_crossed_not_what_was_offered() -> None:
     assert trace_summary([{"input_len": 5}], {}) is None
 
 
+def test_trace_summary_names_the_policy_and_the_share_offloaded() -> None:
+    from pdx.accept.judge.stats import trace_summary
+
+    rows = [_trace_row(i, 100, 0, 4000) for i in range(3)]
+    for r in rows:
+        r["pdx"]["offload"] = {"policy": "uncached"}
+    rows[0]["pdx"]["route"] = "local"
+    got = trace_summary(rows, {})
+    assert got is not None
+    assert got["policy"] == "uncached" and got["offloaded_share"] == 2 / 3
+    assert trace_summary([_trace_row(1, 100, 0, 4000)], {})["policy"] is None  # type: ignore[index]
+
+
 def test_kv_rate_per_transfer_and_cross_traffic_beside_it_in_the_report() -> None:
     from pdx.accept.report.content import fault_lines
     from pdx.accept.report.schema import Report, StepReport

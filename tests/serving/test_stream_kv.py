@@ -85,7 +85,8 @@ async def test_decode_reads_the_layers_while_prefill_computes() -> None:
     # tokens): decode's Get starts at the opened event and receives the layers as stored.
     sets = ["tls.enabled=false", "kv.streaming=true", "model.backend=synthetic",
             "model.prefill_tflops=0.00024", "kv.chunk_size_kb=64",
-            "router.local_prefill_max_tokens=1"]  # fmt: skip
+            "router.local_prefill_max_tokens=1",
+            "prefix_cache.enabled=false"]  # the timed prompt starts with the warm-up's  # fmt: skip
     async with inprocess_pair(sets) as (gw, _, _):
         url = f"http://127.0.0.1:{gw.port}/v1/completions"
         async with aiohttp.ClientSession() as s:

@@ -260,7 +260,8 @@ def trace_summary(rows: list[dict[str, Any]], mdelta: dict[str, float]) -> dict[
 
     ``engine_hit_ratio`` is vLLM's own ``prefix_cache_hits / prefix_cache_queries`` over the
     step, per instance (``pdx_instance``); ``reported_cached_ratio`` the cached prompt tokens
-    the responses reported (``usage.prompt_tokens_details.cached_tokens``) over their prompts.
+    the responses reported (``usage.prompt_tokens_details.cached_tokens``, else pdx's own
+    ``pdx.cached_tokens``: decode's prefix-cache hit) over their prompts.
     """
     traced = [r for r in rows if r.get("trace_line") is not None and not r.get("unfinished")]
     if not traced:
@@ -286,10 +287,19 @@ def trace_summary(rows: list[dict[str, Any]], mdelta: dict[str, float]) -> dict[
         "reported_requests": len(told),
         "engine_hit_ratio": _engine_hit_ratios(mdelta),
         "kv_bytes_total": total,
+        "offloaded_share": len(shipped) / len(traced),
+        "policy": _policy(traced),
         "kv_bytes_per_request": total / len(shipped) if shipped else None,
         "kv_bytes_from": NIXL_BYTES if pulled else "the responses' pdx.kv_bytes",
         "send_lag_ms": distribution([float(r.get("queue_ms") or 0.0) for r in traced]),
     }
+
+
+def _policy(rows: list[dict[str, Any]]) -> str | None:
+    """The offload policy the gateway reported (``pdx.offload.policy``), when it did."""
+    seen = {((r.get("pdx") or {}).get("offload") or {}).get("policy") for r in rows}
+    seen.discard(None)
+    return "/".join(sorted(seen)) or None
 
 
 def _engine_hit_ratios(mdelta: dict[str, float]) -> dict[str, float]:

@@ -503,7 +503,14 @@ def _with_interval(d: dict[str, Any], unit: str = " ms") -> str:
 
 
 TRACE_HEADERS = ["step", "requests", "sessions", "ideal hit", "reported cached",
-                 "engine hit (vLLM)", "KV B / request", "send lag p50 / p99 ms"]  # fmt: skip
+                 "engine hit (vLLM)", "offloaded (policy)", "KV B / request", "KV B total",
+                 "send lag p50 / p99 ms"]  # fmt: skip
+
+
+def _offloaded(tr: dict[str, Any]) -> str:
+    share = tr.get("offloaded_share")
+    text = "—" if share is None else f"{100 * share:.1f} %"
+    return f"{text} ({tr['policy']})" if tr.get("policy") else text
 
 
 def trace_section(steps: list[StepReport]) -> Section:
@@ -518,16 +525,17 @@ def trace_section(steps: list[StepReport]) -> Section:
         engine = ", ".join(f"{k} {pct(v)}" for k, v in tr["engine_hit_ratio"].items()) or "—"
         lag = tr["send_lag_ms"]
         rows.append([s.id, str(tr["requests"]), str(tr["sessions"]), pct(tr["ideal_hit_ratio"]),
-                     pct(tr["reported_cached_ratio"]), engine,
+                     pct(tr["reported_cached_ratio"]), engine, _offloaded(tr),
                      "—" if tr["kv_bytes_per_request"] is None
-                     else f"{tr['kv_bytes_per_request']:,.0f}",
+                     else f"{tr['kv_bytes_per_request']:,.0f}", f"{tr['kv_bytes_total']:,.0f}",
                      f"{_num(lag.get('p50'), '.1f')} / {_num(lag.get('p99'), '.1f')}"])  # fmt: skip
     lines = [
         "Each request carries its trace line; the ideal hit ratio is what an infinite prefix "
         "cache that started empty would hold of the replayed window (pdx trace stats); the "
-        "engine's are its own counters over the step; KV B / request is what crossed the link "
-        "per disaggregated request; the send lag is how late each request left after its "
-        "scaled trace time."
+        "engine's are its own counters over the step; offloaded is the share of requests "
+        "prefilled remotely, under the gateway's router.offload.policy; KV B / request is what "
+        "crossed the link per disaggregated request; the send lag is how late each request "
+        "left after its scaled trace time."
     ]
     sources = sorted({s.summary["trace"].get("kv_bytes_from") or "" for s in steps} - {""})
     if sources:

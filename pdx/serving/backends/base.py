@@ -141,6 +141,20 @@ class ModelBackend(ABC):
             on_layer(state.tensors[a : a + 2], list(roles[a : a + 2]))
         return state, logits
 
+    def kv_token_axes(self, tensors: list[torch.Tensor]) -> list[int] | None:
+        """Each KV tensor's token axis, so a prefix cache can cut and join it; None when this
+        backend's KV cannot be cut at a token (then it keeps no prefix cache)."""
+        return None
+
+    def prefill_after(
+        self, token_ids: list[int], prefix: KVState, on_layer: LayerSink | None = None
+    ) -> tuple[KVState, torch.Tensor]:
+        """:meth:`prefill` of a prompt whose first ``prefix.length`` tokens' KV is ``prefix``:
+        only the rest is computed. Returns the whole prompt's state; ``on_layer`` gets each
+        layer's whole-prompt KV as :meth:`prefill_layers` does. Backends with
+        :meth:`kv_token_axes` implement it."""
+        raise NotImplementedError(f"{self.name}: no prefill after a cached prefix")
+
     def kv_bytes_bound(self, tokens: int) -> tuple[int, int]:
         """(uncompressed KV bytes, tensor count) of a ``tokens``-token prompt, before it runs."""
         raise NotImplementedError(f"{self.name}: KV size not known before prefill")

@@ -262,9 +262,33 @@ class SyntheticBackend(ModelBackend):
         """Per layer the roofline's share of the compute time (each layer holds the same
         parameters); a layer's KV is handed to ``on_layer`` once its Q/K/V projections'
         share of that time has passed (``kv_ready_fraction``), as a real layer produces it."""
+        return self._timed_layers(token_ids, len(token_ids), on_layer)
+
+    def kv_token_axes(self, tensors: list[torch.Tensor]) -> list[int] | None:
+        """Whole-context layers only ([1, tokens, bytes]): a sliding window or a fixed state
+        is not a run of tokens that blocks can hold."""
+        if any(x.window_tokens is not None or x.state_bytes for x in self.spec.layers):
+            return None
+        return [1] * len(tensors)
+
+    def prefill_after(
+        self, token_ids: list[int], prefix: KVState, on_layer: LayerSink | None = None
+    ) -> tuple[KVState, torch.Tensor]:
+        """The roofline time of the tokens after the prefix only. The KV is the whole prompt's
+        (its bytes carry no information here, so the prefix's are not copied in)."""
+        computed = len(token_ids) - prefix.length
+        if on_layer is not None:
+            return self._timed_layers(token_ids, computed, on_layer)
+        self.clock.wait(self.prefill_seconds(computed) * self.cfg.synthetic_time_scale)
+        first = self._next_token(sum(token_ids), len(token_ids))
+        return self._state(len(token_ids)), self._logits([first])[0]
+
+    def _timed_layers(
+        self, token_ids: list[int], computed: int, on_layer: LayerSink
+    ) -> tuple[KVState, torch.Tensor]:
         n = len(token_ids)
         per_layer_s = (
-            self.prefill_seconds(n) * self.cfg.synthetic_time_scale / len(self.spec.layers)
+            self.prefill_seconds(computed) * self.cfg.synthetic_time_scale / len(self.spec.layers)
         )
         tensors: list[torch.Tensor] = []
         roles: list[Any] = []

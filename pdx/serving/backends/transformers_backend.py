@@ -147,18 +147,36 @@ class TransformersBackend(ModelBackend):
         the entry)."""
         from transformers import DynamicCache
 
-        cache = DynamicCache()
-        layers = self.model.model.layers
+        return self._forward(token_ids, DynamicCache(), 0, on_layer)
+
+    def kv_token_axes(self, tensors: list[torch.Tensor]) -> list[int] | None:
+        return [2] * len(tensors)  # [batch, kv heads, tokens, head dim]
+
+    @torch.inference_mode()
+    def prefill_after(
+        self, token_ids: list[int], prefix: KVState, on_layer: LayerSink | None = None
+    ) -> tuple[KVState, torch.Tensor]:
+        t = prefix.tensors
+        cache = self._cache([(t[i], t[i + 1]) for i in range(0, len(t), 2)])
+        return self._forward(token_ids, cache, prefix.length, on_layer)
+
+    def _forward(
+        self, token_ids: list[int], cache: Any, cached: int, on_layer: LayerSink | None
+    ) -> tuple[KVState, torch.Tensor]:
+        """Run tokens ``cached:`` over ``cache`` (which holds the first ``cached``); the cache
+        positions the new tokens after the cached ones."""
         handles = []
 
         def hook(module: Any, args: Any, kwargs: Any, output: Any) -> None:
+            assert on_layer is not None
             entry = cache.layers[module.layer_idx]
             on_layer([entry.keys, entry.values], ["key", "value"])
 
-        for layer in layers:
-            handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
+        if on_layer is not None:
+            for layer in self.model.model.layers:
+                handles.append(layer.self_attn.register_forward_hook(hook, with_kwargs=True))
         try:
-            ids = torch.tensor([token_ids], device=self.device)
+            ids = torch.tensor([token_ids[cached:]], device=self.device)
             out = self.model(input_ids=ids, cache=cache, use_cache=True)
         finally:
             for handle in handles:

@@ -21,6 +21,7 @@ from prometheus_client import generate_latest
 from pdx._proto import serving_pb2, serving_pb2_grpc
 from pdx.serving.backends.tokenizer import Tokenizer
 from pdx.serving.deploy_config import DeployConfig, GatewayConfig, local_prefill_threshold
+from pdx.serving.gateway.cache_watch import watch_cache
 from pdx.serving.gateway.context import FlowContext
 from pdx.serving.gateway.flow import Flow
 from pdx.serving.gateway.metrics import GatewayMetrics
@@ -129,6 +130,7 @@ class Gateway:
         self.ctx = self.flow_context()
         self._channels: list[grpc.aio.Channel] = []
         self._poller: asyncio.Task[None] | None = None
+        self._watchers: dict[str, asyncio.Task[None]] = {}  # decode name → its cache watch
         self._runner: web.AppRunner | None = None
         self._openapi: dict[str, Any] | None = None
         self.port = 0
@@ -186,10 +188,10 @@ class Gateway:
 
     async def stop(self) -> None:
         """Stop serving and close channels."""
-        if self._poller:
-            self._poller.cancel()
+        for task in [*self._watchers.values(), *([self._poller] if self._poller else [])]:
+            task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
-                await self._poller
+                await task
         if self._runner:
             await self._runner.cleanup()
         for ch in self._channels:
@@ -217,6 +219,8 @@ class Gateway:
         d.polled(st.kv_budget_bytes, st.kv_free_bytes)
         if st.vocab_size:
             self.vocab_size = st.vocab_size
+        if st.prefix_block_tokens and d.name not in self._watchers:
+            self._watchers[d.name] = asyncio.get_running_loop().create_task(watch_cache(d))
         if st.prefill_tflops > 0 and self.threshold_for is not None:
             # Once: the break-even from decode's measured prefill speed (decode is where a
             # short prompt would be recomputed).
@@ -354,7 +358,7 @@ class Gateway:
             )
         for index in range(req.n):
             decision = self.router.decide(
-                req.route, len(req.prompt_ids), req.user, max_tokens=req.max_tokens
+                req.route, len(req.prompt_ids), req.user, req.max_tokens, req.prompt_ids
             )
             if decision is None:
                 for flow in flows:
@@ -466,7 +470,8 @@ def build_gateway(
     router = Router(cfg.router, local_prefill_threshold(cfg))
     router.prefills = [PrefillInstance(name, addr) for name, addr in prefills]
     router.decodes = [DecodeInstance(name, addr) for name, addr in decodes]
-    auto = cfg.router.local_prefill_max_tokens is None and cfg.model.backend != "synthetic"
+    fixed = cfg.router.local_prefill_max_tokens, cfg.router.offload.threshold_tokens
+    auto = fixed == (None, None) and cfg.model.backend != "synthetic"
     return Gateway(
         cfg.gateway,
         router,

@@ -247,9 +247,10 @@ class Flow:
         The client gets the first token while prefill still encodes and stores the KV, so the
         store Put is not on the time to first token. Failures degrade to local prefill.
         """
+        start = self.decision.kv_start_token  # decode holds these: only the rest ships
         request = serving_pb2.PrefillRequest(
             request_id=self.id, token_ids=gen.prompt_token_ids, sampling=gen.sampling,
-            codec=self.req.kv_codec,
+            codec=self.req.kv_codec, kv_start_token=start,
         )  # fmt: skip
         p.in_flight += 1
         sent = time.perf_counter()
@@ -272,7 +273,7 @@ class Flow:
                 elif event.HasField("stored"):
                     self.marks["prefill_stored_event"] = time.perf_counter() - sent
                     self.prefill_reply = stored = event.stored
-                    gen.kv_id = stored.kv_id
+                    gen.kv_id, gen.kv_start_token = stored.kv_id, stored.kv_start_token
                     gen.kv_endpoint = self.ctx.kv_route.get(stored.kv_endpoint, stored.kv_endpoint)
         except grpc.aio.AioRpcError as exc:
             if self._early is not None and gen.has_first_token:
@@ -285,6 +286,8 @@ class Flow:
             p.in_flight -= 1
         if self._early is not None and not gen.has_first_token:
             self._cancel_early(gen)  # the stream ended before its first token
+        if not gen.kv_id:
+            gen.kv_start_token = 0
         if not gen.kv_id and not self.decision.degrade_reason:
             self._degrade_to_local("prefill_no_kv")
 
@@ -293,7 +296,7 @@ class Flow:
     ) -> None:
         """Streamed KV: start decode now; its Get reads the object while prefill writes it
         and the first token comes from the object's tail."""
-        gen.kv_id = opened.kv_id
+        gen.kv_id, gen.kv_start_token = opened.kv_id, self.decision.kv_start_token
         gen.kv_endpoint = self.ctx.kv_route.get(opened.kv_endpoint, opened.kv_endpoint)
         if gen.sampling.max_tokens <= 1:  # prefill's first token is all of it: read no KV
             return
@@ -310,6 +313,7 @@ class Flow:
             self._early.cancel()
             self._early = None
             gen.kv_id = gen.kv_endpoint = ""
+            gen.kv_start_token = 0
 
     def _prefill_failed(self, exc: grpc.aio.AioRpcError, started: bool) -> None:
         if exc.code() == grpc.StatusCode.INVALID_ARGUMENT and not started:
@@ -447,6 +451,10 @@ class Flow:
             if pr and self.decision.prefill
             else None,
             "kv_id": pr.kv_id if pr else None,
+            "cached_tokens": st.cached_tokens,
+            "prefill_cached_tokens": pr.cached_tokens if pr else None,
+            "kv_start_token": pr.kv_start_token if pr else None,
+            "offload": {**self.decision.offload(), "path": route},
             **self._streamed(st),
             "timings_ms": self._timings(st, e2e_s),
         }

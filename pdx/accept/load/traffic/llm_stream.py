@@ -155,7 +155,7 @@ class RequestRecord:
     prompt_ids: list[int] | None = None  # kept for a sample of requests (output replay)
     # a replayed trace: the request's line, its session, the prefix an ideal cache would
     # hold for it (tokens), and the cached prompt tokens the server reported
-    # (usage.prompt_tokens_details.cached_tokens, where it does)
+    # (usage.prompt_tokens_details.cached_tokens where it does, else pdx.cached_tokens)
     trace_line: int | None = None
     session: str | None = None
     ideal_cached_tokens: int | None = None
@@ -262,6 +262,9 @@ def _absorb(rec: RequestRecord, event: dict[str, Any]) -> None:
             rec.cached_tokens = int(details["cached_tokens"])
     if isinstance(event.get("pdx"), dict):
         rec.pdx = event["pdx"]
+        cached = rec.pdx.get("cached_tokens")  # pdx's engine: decode's own prefix-cache hit
+        if rec.cached_tokens is None and isinstance(cached, int):
+            rec.cached_tokens = cached
     if rec.response_id is None and isinstance(event.get("id"), str):
         rec.response_id = event["id"]
     ids = _token_ids(event)
