@@ -162,7 +162,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., first_token: _Optional[int] = ..., has_first_token: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., first_token_in_kv: _Optional[bool] = ..., kv_start_token: _Optional[int] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
-    __slots__ = ("route", "degraded", "degrade_reason", "kv_bytes", "transfer_ms", "retries", "queue_ms", "local_prefill_ms", "first_step_ms", "transfer_outcome", "instance", "kv_streamed", "kv_wait_ms", "kv_bytes_while_writing", "cached_tokens", "computed_tokens")
+    __slots__ = ("route", "degraded", "degrade_reason", "kv_bytes", "transfer_ms", "retries", "queue_ms", "local_prefill_ms", "first_step_ms", "transfer_outcome", "instance", "kv_streamed", "kv_wait_ms", "kv_bytes_while_writing", "cached_tokens", "computed_tokens", "local_prefill_compute_ms")
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     DEGRADED_FIELD_NUMBER: _ClassVar[int]
     DEGRADE_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -179,6 +179,7 @@ class GenerateStats(_message.Message):
     KV_BYTES_WHILE_WRITING_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPUTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
     route: str
     degraded: bool
     degrade_reason: str
@@ -195,7 +196,8 @@ class GenerateStats(_message.Message):
     kv_bytes_while_writing: int
     cached_tokens: int
     computed_tokens: int
-    def __init__(self, route: _Optional[str] = ..., degraded: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., retries: _Optional[int] = ..., queue_ms: _Optional[float] = ..., local_prefill_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., transfer_outcome: _Optional[str] = ..., instance: _Optional[str] = ..., kv_streamed: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., kv_bytes_while_writing: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ...) -> None: ...
+    local_prefill_compute_ms: float
+    def __init__(self, route: _Optional[str] = ..., degraded: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., kv_bytes: _Optional[int] = ..., transfer_ms: _Optional[float] = ..., retries: _Optional[int] = ..., queue_ms: _Optional[float] = ..., local_prefill_ms: _Optional[float] = ..., first_step_ms: _Optional[float] = ..., transfer_outcome: _Optional[str] = ..., instance: _Optional[str] = ..., kv_streamed: _Optional[bool] = ..., kv_wait_ms: _Optional[float] = ..., kv_bytes_while_writing: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., computed_tokens: _Optional[int] = ..., local_prefill_compute_ms: _Optional[float] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("token_ids", "finish_reason", "stats", "logprobs")

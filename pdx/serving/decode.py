@@ -572,12 +572,15 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         found = reuse(e.cache, prompt)
         t0 = time.perf_counter()
         try:
-            seq.state, logits = await e.run_model(prefill_with, e.backend, prompt, found)
+            seq.state, logits, compute_s = await e.run_model(
+                _timed_prefill, e.backend, prompt, found
+            )
         except BaseException:
             if e.cache is not None:
                 e.cache.unpin(found.blocks)
             raise
         seq.stats.local_prefill_ms = (time.perf_counter() - t0) * 1e3
+        seq.stats.local_prefill_compute_ms = compute_s * 1e3
         seq.stats.cached_tokens = found.cached_tokens
         seq.stats.computed_tokens = len(prompt) - found.cached_tokens
         self._keep(seq, found)
@@ -588,10 +591,23 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
             seq.state = None
 
 
+def _timed_prefill(
+    backend: ModelBackend, prompt: list[int], found: Reuse
+) -> tuple[Any, Any, float]:
+    """(model thread) :func:`prefill_with`, and how long the model itself took (seconds)."""
+    t0 = time.perf_counter()
+    state, logits = prefill_with(backend, prompt, found)
+    return state, logits, time.perf_counter() - t0
+
+
 def _join_prefix(backend: ModelBackend, found: Reuse, suffix: KVState) -> KVState:
     """(model thread) The prompt's KV: the pinned cached blocks, then the received suffix."""
     axes = backend.kv_token_axes(suffix.tensors)
     assert axes is not None
+    tokens = {t.shape[a] for t, a in zip(suffix.tensors, axes, strict=True)}
+    if tokens != {suffix.length}:  # a prefill that ignored kv_start_token, or sent another range
+        raise KVUnusable("kv_range_mismatch", f"KV of {sorted(tokens)} tokens, expected "
+                         f"{suffix.length} (from token {found.cached_tokens})")  # fmt: skip
     tensors = token_join([*(b.tensors for b in found.blocks), suffix.tensors], axes)
     return KVState(tensors, found.cached_tokens + suffix.length, suffix.roles)
 
@@ -614,7 +630,10 @@ class DecodeNode:
 
         node = cls()
         dc, host = cfg.decode, opts.host or cfg.decode.host
-        backend = await asyncio.to_thread(create_backend, cfg.model)
+        model = cfg.model
+        if dc.synthetic_time_scale is not None:  # a slower decode site (synthetic backend)
+            model = model.model_copy(update={"synthetic_time_scale": dc.synthetic_time_scale})
+        backend = await asyncio.to_thread(create_backend, model)
         node.engine = DecodeEngine(backend, dc, instance=f"decode-{opts.index}")
         if cfg.prefix_cache.enabled:
             node.engine.enable_cache(cfg.prefix_cache.block_tokens)

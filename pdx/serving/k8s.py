@@ -30,7 +30,7 @@ import yaml
 
 from pdx.errors import InputError
 from pdx.serving.backends.presets import TINY_PRESETS
-from pdx.serving.deploy_config import DeployConfig, Resources, to_yaml
+from pdx.serving.deploy_config import DeployConfig, to_yaml
 from pdx.serving.engines.checkpoint import checkpoint_dir
 from pdx.serving.engines.env import VLLMEnv
 from pdx.serving.engines.vllm import (
@@ -41,6 +41,7 @@ from pdx.serving.engines.vllm import (
     check_model_for_device,
     model_info,
 )
+from pdx.serving.k8s_config import Resources
 
 CONFIG_MOUNT = "/etc/pdx/config"
 TLS_MOUNT = "/etc/pdx/tls"

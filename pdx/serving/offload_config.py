@@ -6,8 +6,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-Policy = Literal["length", "uncached"]
-POLICIES: tuple[str, ...] = ("length", "uncached")
+Policy = Literal["length", "uncached", "break_even"]
+POLICIES: tuple[str, ...] = ("length", "uncached", "break_even")
 
 
 class PrefixCacheConfig(BaseModel):
@@ -39,7 +39,9 @@ class OffloadConfig(BaseModel):
         description="length: remote when the prompt has >= threshold_tokens tokens, its whole KV "
         "shipped; uncached: remote when the part the chosen decode's prefix cache does not hold "
         "has >= threshold_tokens, only that part shipped (llm-d's nonCachedTokens, Dynamo's "
-        "eff_isl_threshold)",
+        "eff_isl_threshold); break_even: remote when its predicted time (prefill queue + "
+        "prefill of that part + its KV / the live goodput + 2 RTT) beats decode prefilling it, "
+        "every figure measured live (docs/deploy.md)",
     )
     threshold_tokens: int | None = Field(
         None,

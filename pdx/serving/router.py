@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdx.serving.deploy_config import RouterConfig
+from pdx.serving.offload_rates import LiveRates, Prediction
 from pdx.serving.prefix_cache import block_hashes, leading_matches, reusable_blocks
 
 Route = Literal["auto", "disaggregated", "local"]
@@ -63,6 +64,7 @@ class DecodeInstance:
     down: bool = False  # its process is down, says the supervisor (restarting)
     block_tokens: int = 0  # its prefix cache's block size (0: none, or not heard from yet)
     cached_blocks: set[int] = field(default_factory=set)  # block hashes its cache holds
+    local_pending_tokens: int = 0  # uncached tokens of local requests sent, no first token yet
 
     def cached_tokens(self, hashes: Sequence[int], prompt_tokens: int) -> int:
         """The leading prompt tokens its prefix cache holds (``hashes``: the prompt's blocks)."""
@@ -209,12 +211,17 @@ class Decision:
     policy: str = "length"  # router.offload.policy that decided
     threshold_tokens: int = 0  # its threshold
     kv_start_token: int = 0  # remote: the KV ships from here (decode holds the rest)
+    predicted: Prediction | None = None  # break_even: both paths' predicted cost
+    explore: str = ""  # break_even: the path this request measures ("remote"/"local"), or ""
 
     def offload(self) -> dict[str, Any]:
         """The offload decision's inputs, for the response's ``pdx`` object."""
+        p = self.predicted
         return {"policy": self.policy, "threshold_tokens": self.threshold_tokens,
                 "cached_tokens": self.cached_tokens, "uncached_tokens": self.uncached_tokens,
-                "path": self.route}  # fmt: skip
+                "predicted_remote_ms": round(p.remote_ms, 3) if p else None,
+                "predicted_local_ms": round(p.local_ms, 3) if p else None,
+                "explore": self.explore or None, "path": self.route}  # fmt: skip
 
 
 @dataclass
@@ -229,6 +236,7 @@ class Router:
     def __post_init__(self) -> None:
         self.breaker = CircuitBreaker(self.cfg)
         self.sticky: OrderedDict[str, str] = OrderedDict()
+        self.rates = LiveRates()  # what finished requests showed (break_even decides on it)
 
     def pick_decode(
         self, user: str | None, tokens: int = 0, cached_share: dict[str, float] | None = None
@@ -299,9 +307,7 @@ class Router:
                             threshold_tokens=self.local_prefill_max_tokens,
                             kv_start_token=held if aware else 0)  # fmt: skip
         measured = prompt_tokens - held if aware else prompt_tokens
-        if requested == "local" or (
-            requested == "auto" and measured < self.local_prefill_max_tokens
-        ):
+        if requested == "local" or (requested == "auto" and not self._remote(decision, measured)):
             return decision
         decision.prefill = self.pick_prefill()
         if decision.prefill is None:
@@ -316,6 +322,22 @@ class Router:
             decision.breaker_probe = 0 if was_closed else self.breaker.probe_seq
         decision.route = "disaggregated"
         return decision
+
+    def _remote(self, decision: Decision, measured: int) -> bool:
+        """Whether an ``auto`` request's policy sends its prefill to the prefill site."""
+        if decision.policy != "break_even":
+            return measured >= self.local_prefill_max_tokens
+        rates, uncached = self.rates, decision.uncached_tokens
+        d = decision.decode
+        decision.predicted = rates.predict(
+            uncached, d.kv_bytes_per_token * uncached, d.local_pending_tokens
+        )
+        if not rates.exploring and (stale := rates.stale()):
+            decision.explore = rates.exploring = stale  # measure it (one request at a time)
+            return stale == "remote"
+        if decision.predicted is None:  # until both paths are measured: the uncached rule
+            return measured >= self.local_prefill_max_tokens
+        return decision.predicted.remote
 
     def _cached(self, prompt_ids: Sequence[int], prompt_tokens: int) -> dict[str, int]:
         """Per decode, the leading tokens of the prompt its prefix cache holds."""

@@ -204,3 +204,18 @@ def test_kv_rate_per_transfer_and_cross_traffic_beside_it_in_the_report() -> Non
     text = "\n".join(fault_lines(report))
     assert ("cross-traffic down: 2 cubic flow(s), median 487 Mbit/s over the step; KV beside "
             "them: 500 Mbit/s per transfer") in text  # fmt: skip
+
+
+def test_offload_windows_show_a_policy_turning_during_the_step() -> None:
+    from pdx.accept.judge.stats import offload_windows
+
+    rows = [_trace_row(i, 100, 0, 4000) for i in range(8)]
+    for i, r in enumerate(rows):
+        r["t_intended_s"] = 1000.0 + 1.5 * i  # 0, 1.5, ... 10.5 s
+        if i >= 4:
+            r["pdx"]["route"] = "local"
+    got = offload_windows(rows)
+    assert [w["start_s"] for w in got] == [0.0, 5.0, 10.0]
+    assert [w["requests"] for w in got] == [4, 3, 1]
+    assert [w["offloaded_share"] for w in got] == [1.0, 0.0, 0.0]
+    assert offload_windows([{"input_len": 3}]) == []

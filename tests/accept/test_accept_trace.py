@@ -1,6 +1,7 @@
 """A trace replayed by ``pdx accept`` against pdx's own pair (playbooks/trace-replay.yaml, a
 window of it): every request carries its trace line, the step says the trace's ideal prefix hit
-ratio and the KV that crossed, and ``pdx simulate`` on the same trace predicts those bytes."""
+ratio, the cached prefix decode reported and the KV that crossed, and ``pdx simulate`` on the
+same trace predicts those bytes."""
 
 from __future__ import annotations
 
@@ -39,19 +40,23 @@ def test_trace_replay_end_to_end_and_the_simulator_agrees_on_the_bytes(tmp_path:
     ideal = sum(ideal_cached(window)) / sum(r.input_tokens for r in window.requests)
     assert tr["requests"] == WINDOW and tr["sessions"] == len({r.session for r in window.requests})
     assert tr["ideal_hit_ratio"] == pytest.approx(ideal)
-    assert tr["reported_cached_ratio"] is None and tr["engine_hit_ratio"] == {}  # no cache yet
+    # decode's own prefix cache served the trace's reuse, to the block (vLLM's counters: none)
+    assert tr["reported_cached_ratio"] == pytest.approx(ideal) and tr["engine_hit_ratio"] == {}
+    assert tr["policy"] == "uncached" and tr["offloaded_share"] == 1.0
     assert tr["send_lag_ms"]["p50"] < 50
     report_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
     md = (report_dir / "report.md").read_text()
     assert "## Trace replay" in md and f"{100 * ideal:.1f} %" in md
-    # every request crossed the link (prompts of 48+ tokens, local below 8): the simulator,
-    # replaying the same window with the deployed model's KV per token, ships the same bytes
+    # every request crossed the link (uncached parts of 16+ tokens, local below 8), only what
+    # decode lacked: the simulator, replaying the same window with the deployed model's KV per
+    # token and per-instance prefix caches, ships the same bytes
     per_token = data["preflight"]["measure_kv"]["result"]["kv_bytes_per_token"]
     sim = CliRunner().invoke(app, [
         "simulate", "--workload", str(TRACE), "--format", "mooncake", "--length-scale",
         "0.03125", "--time-scale", "0.25", "--max-requests", str(WINDOW), "--mode",
         "disaggregated", "--model-preset", "llama-3.1-8b", "--kv-bytes-per-token",
-        str(per_token), "--local-prefill-max-tokens", "7", "--json",
+        str(per_token), "--local-prefill-max-tokens", "7", "--prefix-cache-blocks", "100000",
+        "--json",
     ])  # fmt: skip
     assert sim.exit_code == 0, sim.output
     predicted = json.loads(sim.stdout)["disaggregated"]["kv_shipped_bytes"]

@@ -173,6 +173,8 @@ async def test_uncached_policy_keeps_a_cached_prompt_local(pair: tuple[Gateway, 
         assert again["pdx"]["route"] == "local" and not again["pdx"]["degraded"]
         assert again["pdx"]["offload"] == {"policy": "uncached", "threshold_tokens": 32,
                                            "cached_tokens": 96, "uncached_tokens": 4,
+                                           "predicted_remote_ms": None,
+                                           "predicted_local_ms": None, "explore": None,
                                            "path": "local"}  # fmt: skip
         offload.policy = "length"  # the rule before caches: 100 >= 32 ships, the whole prompt
         length = await post(gw, prompt)
@@ -206,3 +208,48 @@ async def test_decode_degrades_when_the_prefix_it_was_sent_for_is_gone(
         _ = [c async for c in stub.Generate(bad)]
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "multiple of the cache's 16-token blocks" in (err.value.details() or "")
+
+
+@aio
+async def test_kv_of_the_wrong_range_is_never_stitched(
+    pair: tuple[Gateway, Any, Any], reference: Any
+) -> None:
+    gw, _, _ = pair
+    prompt = ids(64, 9)
+    await post(gw, prompt, "local")  # decode now holds its first 48 tokens
+    await router_sees(gw, prompt, 48)
+    sampling = serving_pb2.SamplingParams(max_tokens=4, ignore_eos=True)
+    events = gw.router.prefills[0].stub.PrefillStream(serving_pb2.PrefillRequest(
+        request_id="whole", token_ids=prompt, sampling=sampling))  # fmt: skip
+    stored = [e.stored async for e in events if e.HasField("stored")].pop()  # the whole prompt
+    req = serving_pb2.GenerateRequest(
+        request_id="range", prompt_token_ids=prompt, sampling=sampling, kv_id=stored.kv_id,
+        kv_endpoint=stored.kv_endpoint, kv_start_token=16,  # says: tokens 16.. only
+    )  # fmt: skip
+    chunks = [c async for c in gw.router.decodes[0].stub.Generate(req)]
+    st = chunks[-1].stats
+    assert st.degraded and st.degrade_reason == "kv_range_mismatch" and st.route == "local"
+    assert [t for c in chunks for t in c.token_ids] == reference(prompt, 4)
+
+
+@aio
+async def test_break_even_measures_both_paths_then_predicts(pair: tuple[Gateway, Any, Any]) -> None:
+    gw, _, _ = pair
+    offload = gw.router.cfg.offload
+    gw.router.rates.__init__()  # type: ignore[misc]  # nothing measured yet
+    try:
+        offload.policy = "break_even"
+        got = [(await post(gw, ids(80, 20 + i)))["pdx"]["offload"] for i in range(4)]
+    finally:
+        offload.policy = "uncached"
+    assert [o["explore"] for o in got[:2]] == ["local", "remote"]
+    assert [o["path"] for o in got[:2]] == ["local", "disaggregated"]
+    last = got[-1]
+    assert last["explore"] is None and last["predicted_remote_ms"] > 0
+    assert last["predicted_local_ms"] > 0
+    chosen = (
+        "disaggregated" if last["predicted_remote_ms"] < last["predicted_local_ms"] else "local"
+    )
+    assert last["path"] == chosen
+    rates = gw.router.rates
+    assert rates.rtt_ms.value is not None and 0 <= rates.rtt_ms.value < 1000

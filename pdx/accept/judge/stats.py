@@ -289,16 +289,40 @@ def trace_summary(rows: list[dict[str, Any]], mdelta: dict[str, float]) -> dict[
         "kv_bytes_total": total,
         "offloaded_share": len(shipped) / len(traced),
         "policy": _policy(traced),
+        "offloaded_by_window": offload_windows(traced),
         "kv_bytes_per_request": total / len(shipped) if shipped else None,
         "kv_bytes_from": NIXL_BYTES if pulled else "the responses' pdx.kv_bytes",
         "send_lag_ms": distribution([float(r.get("queue_ms") or 0.0) for r in traced]),
     }
 
 
+#: The window of :func:`offload_windows`, seconds of the step's intended send times.
+OFFLOAD_WINDOW_S = 5.0
+
+
+def offload_windows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per ``OFFLOAD_WINDOW_S`` of intended send time from the step's first request: the
+    requests and the share of them prefilled remotely (a policy that follows the link shows
+    its turn here)."""
+    times = [(float(r["t_intended_s"]), r) for r in rows if r.get("t_intended_s") is not None]
+    if not times:
+        return []
+    t0 = min(t for t, _ in times)
+    bins: dict[int, list[int]] = {}
+    for t, r in times:
+        remote = (r.get("pdx") or {}).get("route") == "disaggregated"
+        counts = bins.setdefault(int((t - t0) // OFFLOAD_WINDOW_S), [0, 0])
+        counts[0] += 1
+        counts[1] += remote
+    return [{"start_s": i * OFFLOAD_WINDOW_S, "requests": n, "offloaded_share": k / n}
+            for i, (n, k) in sorted(bins.items())]  # fmt: skip
+
+
 def _policy(rows: list[dict[str, Any]]) -> str | None:
     """The offload policy the gateway reported (``pdx.offload.policy``), when it did."""
-    seen = {((r.get("pdx") or {}).get("offload") or {}).get("policy") for r in rows}
-    seen.discard(None)
+    seen = {
+        str(p) for r in rows if (p := ((r.get("pdx") or {}).get("offload") or {}).get("policy"))
+    }
     return "/".join(sorted(seen)) or None
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from pdx.accept.judge.criteria import CriterionResult
+from pdx.accept.judge.stats import OFFLOAD_WINDOW_S
 from pdx.accept.report.schema import Report, StepReport
 from pdx.accept.target.netns import MIN_RTT_WINDOW_S
 
@@ -540,6 +541,15 @@ def trace_section(steps: list[StepReport]) -> Section:
     sources = sorted({s.summary["trace"].get("kv_bytes_from") or "" for s in steps} - {""})
     if sources:
         lines.append("KV bytes counted from: " + "; ".join(sources) + ".")
+    for s in steps:
+        windows = s.summary["trace"].get("offloaded_by_window") or []
+        if len({w["offloaded_share"] for w in windows}) > 1:  # the policy turned during the step
+            cells = ", ".join(
+                f"{w['start_s']:.0f} s {100 * w['offloaded_share']:.0f} % ({w['requests']})"
+                for w in windows
+            )
+            lines.append(f"{s.id} offloaded per {OFFLOAD_WINDOW_S:.0f} s of send time "
+                         f"(from, share, requests): {cells}.")  # fmt: skip
     return ("Trace replay", lines, TRACE_HEADERS, rows)
 
 

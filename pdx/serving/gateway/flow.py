@@ -160,17 +160,27 @@ class Flow:
         self._early_sent = 0.0
         # The decode slot is taken now, so that requests routed in the same instant see it.
         self._reserved = True
+        self._pending_local = decision.uncached_tokens if decision.route == "local" else 0
+        decision.decode.local_pending_tokens += self._pending_local
         decision.decode.in_flight += 1
         decision.decode.kv_reserved_here += decision.kv_need_bytes
         ctx.metrics.in_flight.labels(decision.decode.name).set(decision.decode.in_flight)
 
+    def _local_started(self) -> None:
+        """Decode's own prefill of this request is over (its first token is out, or it ended)."""
+        self.decision.decode.local_pending_tokens -= self._pending_local
+        self._pending_local = 0
+
     def release(self) -> None:
         """Give the decode slot back (once; also for a flow that never ran), and the breaker's
         half-open probe if this flow carried it and never reported a transfer."""
+        self._local_started()
         if self._reserved:
             self._reserved = False
             if self.decision.breaker_probe:
                 self.ctx.router.breaker.abandon(self.decision.breaker_probe)
+            if self.decision.explore:  # its measurement is in (or lost): the next may explore
+                self.ctx.router.rates.exploring = ""
             d = self.decision.decode
             d.in_flight -= 1
             d.kv_reserved_here -= self.decision.kv_need_bytes
@@ -392,6 +402,7 @@ class Flow:
         m = self.ctx.metrics
         if self.ttft_s is None:
             self.ttft_s = now - self.t0
+            self._local_started()
             m.waiting.dec()
             m.running.inc()
         else:
@@ -420,6 +431,7 @@ class Flow:
                 m.transfer.observe(st.transfer_ms / 1e3)
                 m.kv_bytes.inc(st.kv_bytes)
         m.retries.inc(st.retries)
+        self._observe(st)
         e2e_s = time.perf_counter() - self.t0
         route = st.route or self.decision.route
         m.finished(
@@ -431,6 +443,19 @@ class Flow:
             len(self.req.prompt_ids) if self.index == 0 else 0,
         )
         self.outcome.pdx = self._pdx(st, route, degraded, reason, e2e_s)
+
+    def _observe(self, st: serving_pb2.GenerateStats) -> None:
+        """Feed the router's live rates (break_even decides on them) with this request."""
+        rates, pf, pr = self.ctx.router.rates, self.prefill_first, self.prefill_reply
+        first = self.marks.get("prefill_first_event")
+        if st.transfer_outcome == "ok" and pf is not None and pr is not None and first:
+            rates.observe_remote(prefill_ms=pf.prefill_ms, queue_ms=pf.queue_ms,
+                                 computed_tokens=len(self.req.prompt_ids) - pr.cached_tokens,
+                                 first_event_ms=first * 1e3, kv_bytes=st.kv_bytes,
+                                 transfer_ms=st.transfer_ms, wait_ms=st.kv_wait_ms)  # fmt: skip
+        elif st.local_prefill_compute_ms and st.computed_tokens:
+            rates.observe_local(local_prefill_ms=st.local_prefill_compute_ms,
+                                computed_tokens=st.computed_tokens)  # fmt: skip
 
     def _pdx(
         self, st: serving_pb2.GenerateStats, route: str, degraded: bool, reason: str, e2e_s: float
