@@ -29,6 +29,8 @@ if TYPE_CHECKING:
 #: What a subscriber may fall behind by (event batches) before it is dropped; it resubscribes
 #: and gets a fresh snapshot.
 EVENT_QUEUE_MAX = 4096
+#: Hashes per snapshot message (9 bytes each on the wire: well under gRPC's 4 MiB).
+SNAPSHOT_BATCH = 65536
 _ROOT = b"pdx-prefix-v1"
 
 
@@ -189,8 +191,11 @@ class PrefixCache:
     def subscribe(self) -> asyncio.Queue[CacheEvents | None]:
         """A queue of event batches, starting with a snapshot (``cleared`` + every block);
         ``None`` means the subscriber fell behind and was dropped."""
-        queue: asyncio.Queue[CacheEvents | None] = asyncio.Queue(EVENT_QUEUE_MAX)
-        queue.put_nowait(CacheEvents(stored=list(self.blocks), cleared=True))
+        queue: asyncio.Queue[CacheEvents | None] = asyncio.Queue()  # the snapshot may be long
+        held = list(self.blocks)
+        queue.put_nowait(CacheEvents(stored=held[:SNAPSHOT_BATCH], cleared=True))
+        for start in range(SNAPSHOT_BATCH, len(held), SNAPSHOT_BATCH):
+            queue.put_nowait(CacheEvents(stored=held[start : start + SNAPSHOT_BATCH]))
         self._subscribers.append(queue)
         return queue
 
@@ -208,7 +213,7 @@ class PrefixCache:
         if not (events.stored or events.removed or events.cleared):
             return
         for queue in list(self._subscribers):
-            if queue.qsize() >= EVENT_QUEUE_MAX - 1:
+            if queue.qsize() >= EVENT_QUEUE_MAX:
                 self._subscribers.remove(queue)
                 queue.put_nowait(None)
             else:

@@ -253,3 +253,20 @@ async def test_break_even_measures_both_paths_then_predicts(pair: tuple[Gateway,
     assert last["path"] == chosen
     rates = gw.router.rates
     assert rates.rtt_ms.value is not None and 0 <= rates.rtt_ms.value < 1000
+
+
+def test_a_large_cache_snapshot_is_sent_in_batches_and_a_lagging_watcher_dropped() -> None:
+    from pdx.serving import prefix_cache as pc
+
+    cache = PrefixCache(1, lambda: 10**9)
+    tensor = torch.zeros(1, pc.SNAPSHOT_BATCH + 10, 1, dtype=torch.uint8)
+    cache.insert(cache.hashes(list(range(pc.SNAPSHOT_BATCH + 10))), [tensor], [1])
+    queue = cache.subscribe()
+    first, second = queue.get_nowait(), queue.get_nowait()
+    assert first is not None and second is not None and queue.empty()
+    assert first.cleared and len(first.stored) == pc.SNAPSHOT_BATCH and len(second.stored) == 10
+    for i in range(pc.EVENT_QUEUE_MAX + 1):  # nobody reads: dropped, told with None
+        cache.insert([10**12 + i], [tensor], [1])
+    assert cache.subscribers == 0
+    items = [queue.get_nowait() for _ in range(queue.qsize())]
+    assert items[-1] is None
