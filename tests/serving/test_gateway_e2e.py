@@ -100,7 +100,8 @@ async def test_disaggregated_greedy_equals_local(
     assert dis["choices"][0]["token_ids"] == expected
     assert dis["choices"][0]["text"] == local["choices"][0]["text"]
     assert dis["usage"] == {"prompt_tokens": len(ids), "completion_tokens": 24,
-                            "total_tokens": len(ids) + 24}  # fmt: skip
+                            "total_tokens": len(ids) + 24,  # the whole prompt's KV shipped:
+                            "prompt_tokens_details": {"cached_tokens": 0}}  # fmt: skip
 
 
 @pytest.mark.parametrize("codec", ["int8-g64", "fp8-e4m3"])

@@ -140,6 +140,7 @@ async def test_second_turn_ships_only_its_new_suffix(
     assert pdx["route"] == "disaggregated" and not pdx["degraded"], pdx
     assert pdx["offload"]["cached_tokens"] == 80 and pdx["kv_start_token"] == 80
     assert pdx["cached_tokens"] == 80  # decode stitched its 80 with the 40 received
+    assert second["usage"]["prompt_tokens_details"] == {"cached_tokens": 80}  # as OpenAI names it
     assert pdx["prefill_cached_tokens"] == 80  # and prefill computed only the 40 new ones
     assert 40 * BYTES_PER_TOKEN <= pdx["kv_bytes"] < 42 * BYTES_PER_TOKEN
     assert second["choices"][0]["token_ids"] == reference(turn2, 8)

@@ -284,6 +284,7 @@ class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: dict[str, int] | None = None  # cached_tokens, where the engine says
 
 
 class CompletionLogprobs(BaseModel):
@@ -690,10 +691,3 @@ def _check_vocab(ids: list[int], bias: dict[str, float] | None, vocab: int | Non
         if int(token) >= vocab:
             raise bad_request("logit_bias", f"logit_bias: token id {token} is outside the "
                               f"vocabulary [0, {vocab})")  # fmt: skip
-
-
-def usage(req: CompletionRequest, completion_tokens: int) -> dict[str, int]:
-    """The OpenAI ``usage`` object (completion tokens summed over the choices)."""
-    prompt = len(req.prompt_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens}  # fmt: skip

@@ -27,8 +27,20 @@ from pdx.serving.gateway.protocol import (
     CompletionRequest,
     CompletionResponse,
     HTTPProblem,
-    usage,
 )
+
+
+def usage(req: CompletionRequest, flows: list[Flow]) -> dict[str, Any]:
+    """The OpenAI ``usage`` object: completion tokens summed over the choices, and
+    ``prompt_tokens_details.cached_tokens`` where the engine said (pdx's decode: the prompt
+    tokens its prefix cache supplied)."""
+    prompt, completion = len(req.prompt_ids), sum(len(f.outcome.tokens) for f in flows)
+    out: dict[str, Any] = {"prompt_tokens": prompt, "completion_tokens": completion,
+                           "total_tokens": prompt + completion}  # fmt: skip
+    cached = flows[0].outcome.pdx.get("cached_tokens") if flows else None
+    if isinstance(cached, int):
+        out["prompt_tokens_details"] = {"cached_tokens": cached}
+    return out
 
 
 def token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
@@ -122,7 +134,7 @@ def completion_body(
         "created": created,
         "model": req.model,
         "choices": choices,
-        "usage": usage(req, sum(len(f.outcome.tokens) for f in flows)),
+        "usage": usage(req, flows),
         "pdx": flows[0].outcome.pdx,
     }
     model = ChatCompletionResponse if req.chat else CompletionResponse
@@ -197,8 +209,8 @@ class SSEWriter:
         elif data:
             await self.resp.write(data)
 
-    def _usage(self) -> dict[str, int]:
-        return usage(self.req, sum(len(f.outcome.tokens) for f in self.flows))
+    def _usage(self) -> dict[str, Any]:
+        return usage(self.req, self.flows)
 
     def _choice(self, flow: Flow, text: str, lps: list[Any], finish: str | None) -> dict[str, Any]:
         i = flow.index
