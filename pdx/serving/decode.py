@@ -548,21 +548,20 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
 
     async def _stitch(self, seq: Sequence) -> None:
         """Cached prefix + received suffix → the prompt's KV; its blocks join the cache."""
-        e, found = self.engine, seq.found
-        if found is not None and found.blocks and seq.state is not None:
+        e = self.engine
+        found = seq.found or reuse(e.cache, seq.prompt, 0)  # whole KV: the hashes, no pins
+        if found.blocks and seq.state is not None:
             seq.state = await e.run_model(_join_prefix, e.backend, found, seq.state)
             seq.stats.cached_tokens = found.cached_tokens
         self._keep(seq, found)
 
-    def _keep(self, seq: Sequence, found: Reuse | None) -> None:
+    def _keep(self, seq: Sequence, found: Reuse) -> None:
+        """The prompt's whole blocks join decode's cache; the pinned prefix is let go."""
         e = self.engine
         if e.cache is not None and seq.state is not None:
-            found = found if found is not None else reuse(None, [])
-            if not found.hashes:
-                found = Reuse(e.cache.hashes(seq.prompt), [], e.cache.block_tokens)
             keep(e.cache, e.backend, found, seq.state)
             e.cache.count(len(seq.prompt), seq.stats.cached_tokens)
-        elif found is not None and e.cache is not None:
+        elif e.cache is not None:
             e.cache.unpin(found.blocks)
         seq.found = None
 

@@ -253,7 +253,7 @@ def reuse(
     if cache is None:
         return Reuse([], [], 1)
     hashes = cache.hashes(token_ids)
-    held = cache.held_blocks(hashes, len(token_ids))
+    held = cache.held_blocks(hashes, len(token_ids)) if most_blocks != 0 else 0
     held = held if most_blocks is None else min(held, most_blocks)
     return Reuse(hashes, cache.pin(hashes[:held]), cache.block_tokens)
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 from pdx.serving.backends.tokenizer import ByteTokenizer
 from pdx.serving.decode import DecodeNode
@@ -30,3 +31,24 @@ async def inprocess_pair(sets: list[str]) -> AsyncIterator[tuple[Gateway, Prefil
         await gw.stop()
         await decode.stop(0.5)
         await prefill.stop(0.5)
+
+
+def greedy_reference() -> Callable[[list[int], int], list[int]]:
+    """The embedded default's model built in this process: what plain greedy decoding with
+    transformers' own ``generate`` produces (no pdx code, no cache of pdx's)."""
+    import torch
+
+    from pdx.serving.backends import create_backend
+    from pdx.serving.deploy_config import DeployConfig
+
+    backend: Any = create_backend(DeployConfig().model)
+
+    def generate(prompt_ids: list[int], n: int) -> list[int]:
+        ids = torch.tensor([prompt_ids])
+        out = backend.model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
+            eos_token_id=None,
+        )  # fmt: skip
+        return list(out[0, len(prompt_ids) :].tolist())
+
+    return generate

@@ -14,11 +14,10 @@ from typing import Any
 import aiohttp
 import pytest
 import pytest_asyncio
-import torch
 
-from pdx.serving.backends import create_backend
-from pdx.serving.deploy_config import DeployConfig, load_deploy_config
+from pdx.serving.deploy_config import load_deploy_config
 from pdx.serving.supervisor import Deployment
+from tests.serving.inprocess_pair import greedy_reference
 
 pytestmark = [pytest.mark.slow, pytest.mark.asyncio(loop_scope="module")]
 
@@ -48,17 +47,7 @@ async def deployment() -> AsyncIterator[Deployment]:
 @pytest.fixture(scope="module")
 def reference() -> Any:
     """The same model built in this process: what plain local greedy decoding produces."""
-    backend = create_backend(DeployConfig().model)
-
-    def generate(prompt_ids: list[int], n: int) -> list[int]:
-        ids = torch.tensor([prompt_ids])
-        out = backend.model.generate(  # type: ignore[attr-defined]
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, do_sample=False,
-            eos_token_id=None,
-        )  # fmt: skip
-        return out[0, len(prompt_ids) :].tolist()
-
-    return generate
+    return greedy_reference()
 
 
 async def complete(dep: Deployment, **body: Any) -> tuple[int, dict[str, Any], Any]:

@@ -16,11 +16,9 @@ import pytest_asyncio
 import torch
 
 from pdx._proto import serving_pb2
-from pdx.serving.backends import create_backend
-from pdx.serving.deploy_config import DeployConfig
 from pdx.serving.gateway import Gateway
 from pdx.serving.prefix_cache import PrefixCache, block_hashes, reusable_blocks
-from tests.serving.inprocess_pair import inprocess_pair
+from tests.serving.inprocess_pair import greedy_reference, inprocess_pair
 
 aio = pytest.mark.asyncio(loop_scope="module")
 
@@ -83,18 +81,8 @@ def test_cache_evicts_least_recent_tails_first_and_never_pinned_blocks() -> None
 
 @pytest.fixture(scope="module")
 def reference() -> Any:
-    """Plain greedy decoding of the same weights in this process, no cache anywhere."""
-    backend = create_backend(DeployConfig().model)
-
-    def generate(prompt_ids: list[int], n: int) -> list[int]:
-        x = torch.tensor([prompt_ids])
-        out = backend.model.generate(  # type: ignore[attr-defined]
-            x, attention_mask=torch.ones_like(x), max_new_tokens=n, do_sample=False,
-            eos_token_id=None,
-        )  # fmt: skip
-        return out[0, len(prompt_ids) :].tolist()
-
-    return generate
+    """The same model built in this process: what plain local greedy decoding produces."""
+    return greedy_reference()
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module", params=[False, True],
