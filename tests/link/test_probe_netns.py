@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -138,12 +139,13 @@ def test_link_watch_sees_the_rtt_and_fails_the_loss_rule_when_loss_rises(lossy_l
             ["ip", "netns", "exec", lossy_link.decode, PDX, "link-watch",
              f"{PREFILL_ADDR}:{found.group(1)}", "--window", "2", "--interval-ms", "5",
              "--judge-window", "4", "--goodput-every", "0", "--mtu-every", "0",
-             "--metrics-port", "-1", "--ttft-budget-ms", "500", "--duration", "11", "--json"],
+             "--metrics-port", "-1", "--ttft-budget-ms", "500", "--duration", "15", "--json"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         )  # fmt: skip
         assert watch.stdout is not None
         records = [json.loads(watch.stdout.readline()) for _ in range(2)]
         _set_loss(lossy_link, 0.01)
+        changed = time.time()  # the emulator drops 1 % from here on
         out, err = watch.communicate(timeout=60)
         records += [json.loads(line) for line in out.splitlines()]
     finally:
@@ -153,7 +155,16 @@ def test_link_watch_sees_the_rtt_and_fails_the_loss_rule_when_loss_rises(lossy_l
     assert watch.returncode == 1, err  # NO-GO: the last judged window fails the loss rule
     windows = [r for r in records if "summary" not in r]
     assert all(w["error"] is None for w in windows)
-    clean, lossy = windows[:2], windows[-2:]
+    clean = windows[:2]
+    # a window is judged on every window that ended within --judge-window of its end: lossy ones
+    # are those whose judged windows all began after the change (or within 0.5 s before it: a
+    # window's probing starts as soon as the last one's report is out, while the change is made)
+    lossy = [
+        w for w in windows
+        if all(v["at"] - v["window_s"] >= changed - 0.5 for v in windows
+               if w["at"] - 4 <= v["at"] <= w["at"])
+    ]  # fmt: skip
+    assert len(lossy) >= 2, [(w["at"] - changed, w["window_s"]) for w in windows]
     for w in windows:
         assert w["rtt_ms"]["p50"] == pytest.approx(20.0, rel=0.05)
     assert all(w["judged"]["rules"]["loss"]["status"] != "fail" for w in clean)
