@@ -49,8 +49,9 @@ ALLOWED: dict[str, set[str]] = {
     },
 }
 # pdx.accept drives a deployment through the `pdx deploy` command; of pdx.serving it needs
-# only the deploy config's schema and the embedded model configs.
-ACCEPT_MAY_USE = {"pdx.serving.deploy_config", "pdx.serving.backends.presets"}
+# only the deploy config's schema (offload policies included) and the embedded model configs.
+ACCEPT_MAY_USE = {"pdx.serving.deploy_config", "pdx.serving.offload_config",
+                  "pdx.serving.backends.presets"}  # fmt: skip
 
 
 def _modules() -> dict[str, tuple[Path, bool]]:

@@ -58,18 +58,20 @@ class TokenLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "codec", "kv_start_token")
+    __slots__ = ("request_id", "token_ids", "sampling", "codec", "kv_start_token", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     CODEC_FIELD_NUMBER: _ClassVar[int]
     KV_START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     codec: str
     kv_start_token: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., codec: _Optional[str] = ..., kv_start_token: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., codec: _Optional[str] = ..., kv_start_token: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class PrefillReply(_message.Message):
     __slots__ = ("kv_id", "first_token", "kv_endpoint", "kv_bytes", "kv_raw_bytes", "prefill_ms", "store_ms", "queue_ms", "model_version", "codec", "kv_overlap_bytes", "kv_overlap_ms", "kv_streamed", "cached_tokens", "kv_start_token")
@@ -138,7 +140,7 @@ class PrefillEvent(_message.Message):
     def __init__(self, first: _Optional[_Union[PrefillFirstToken, _Mapping]] = ..., stored: _Optional[_Union[PrefillReply, _Mapping]] = ..., opened: _Optional[_Union[PrefillOpened, _Mapping]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_id", "kv_endpoint", "first_token", "has_first_token", "degrade_reason", "first_token_in_kv", "kv_start_token")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_id", "kv_endpoint", "first_token", "has_first_token", "degrade_reason", "first_token_in_kv", "kv_start_token", "cache_salt")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +151,7 @@ class GenerateRequest(_message.Message):
     DEGRADE_REASON_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_IN_KV_FIELD_NUMBER: _ClassVar[int]
     KV_START_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    CACHE_SALT_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -159,7 +162,8 @@ class GenerateRequest(_message.Message):
     degrade_reason: str
     first_token_in_kv: bool
     kv_start_token: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., first_token: _Optional[int] = ..., has_first_token: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., first_token_in_kv: _Optional[bool] = ..., kv_start_token: _Optional[int] = ...) -> None: ...
+    cache_salt: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_id: _Optional[str] = ..., kv_endpoint: _Optional[str] = ..., first_token: _Optional[int] = ..., has_first_token: _Optional[bool] = ..., degrade_reason: _Optional[str] = ..., first_token_in_kv: _Optional[bool] = ..., kv_start_token: _Optional[int] = ..., cache_salt: _Optional[str] = ...) -> None: ...
 
 class GenerateStats(_message.Message):
     __slots__ = ("route", "degraded", "degrade_reason", "kv_bytes", "transfer_ms", "retries", "queue_ms", "local_prefill_ms", "first_step_ms", "transfer_outcome", "instance", "kv_streamed", "kv_wait_ms", "kv_bytes_while_writing", "cached_tokens", "computed_tokens", "local_prefill_compute_ms")

@@ -7,8 +7,6 @@ network condition (outer) × input length × output length × concurrency (or ra
 
 from __future__ import annotations
 
-import itertools
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -18,6 +16,7 @@ from pdx.accept.load.section import Load
 from pdx.config import build_config, read_yaml
 from pdx.faults.wan.cross import CrossTrafficSpec
 from pdx.faults.wan.timeline import WanEvent
+from pdx.serving.offload_config import Policy
 
 _Strict = ConfigDict(extra="forbid")
 
@@ -105,6 +104,16 @@ class Matrix(BaseModel):
         default=None, description="open loop: Poisson req/s"
     )
     network: list[str] = Field(default_factory=lambda: ["normal"], min_length=1)
+    offload: list[Policy] | None = Field(
+        default=None,
+        min_length=2,
+        description="offload policies compared on the same traffic: each step is run once per "
+        "policy (every request sends pdx_offload), the order alternating from step to step; the "
+        "verdict is the first policy's, the others are judged beside it (pdx's gateway)",
+    )
+    offload_rounds: PositiveInt = Field(
+        default=1, description="matrix.offload: each cell runs every policy this many times"
+    )
     duration_s: PositiveFloat = 60.0
     exclude: list[dict[str, str | int | float]] = Field(
         default_factory=list,
@@ -124,6 +133,8 @@ class Matrix(BaseModel):
             raise ValueError("set matrix.input_tokens and output_tokens (or a trace workload)")
         elif (self.concurrency is None) == (self.rate_rps is None):
             raise ValueError("set exactly one of matrix.concurrency or matrix.rate_rps")
+        if self.offload and len(set(self.offload)) != len(self.offload):
+            raise ValueError(f"matrix.offload: each policy once (got {self.offload})")
         for i, cell in enumerate(self.exclude):
             unknown = sorted(set(cell) - set(CELL_KEYS))
             if unknown or not cell:
@@ -530,6 +541,10 @@ class Playbook(BaseModel):
             )
         if self.baseline == "colocated" and self.target.deploy is None:
             raise ValueError("baseline: colocated needs target.deploy (pdx's gateway routes it)")
+        if self.search.param and self.matrix.offload:
+            raise ValueError("search and matrix.offload: search under one policy at a time")
+        if self.baseline == "colocated" and self.matrix.offload:
+            raise ValueError("baseline: colocated and matrix.offload: compare one at a time")
         for name in self.matrix.network:
             events = self.conditions[name].wan_events
             for key in ("wan_events", "cross_traffic"):
@@ -569,116 +584,6 @@ class Playbook(BaseModel):
         if own is not None:
             return own, f"conditions.{network}.duration_s"
         return self.matrix.duration_s, "matrix.duration_s"
-
-
-@dataclass(frozen=True)
-class Step:
-    """One cell of the matrix under one network condition."""
-
-    index: int
-    input_tokens: int
-    output_tokens: int
-    concurrency: int | None
-    rate_rps: float | None
-    network: str
-    duration_s: float
-    # a trace step: the workload's name and the time scale its replay runs at (its lengths
-    # above are the window's longest, its rate the window's mean at that scale)
-    workload: str | None = None
-    time_scale: float | None = None
-
-    @property
-    def id(self) -> str:
-        """A stable, file-name-safe identifier such as ``s02-in32-out16-c4-link-break`` (a
-        trace step: ``s03-chat-r2.5-normal``)."""
-        load = f"c{self.concurrency}" if self.concurrency is not None else f"r{self.rate_rps:g}"
-        if self.workload is not None:
-            return f"s{self.index:02d}-{self.workload}-r{self.rate_rps or 0:.3g}-{self.network}"
-        return (
-            f"s{self.index:02d}-in{self.input_tokens}-out{self.output_tokens}-{load}-{self.network}"
-        )
-
-    @property
-    def target_load(self) -> float:
-        """Users (closed loop) or requests/s (open loop) the step asks for."""
-        return float(self.concurrency if self.concurrency is not None else self.rate_rps or 0.0)
-
-
-def expand_steps(pb: Playbook) -> list[Step]:
-    """The matrix as an ordered list of steps (network outermost, then in, out, load; or
-    network, workload, rate for trace steps)."""
-    m = pb.matrix
-    if m.workload is not None:
-        return _trace_steps(pb)
-    loads: list[tuple[int | None, float | None]] = (
-        [(c, None) for c in m.concurrency]
-        if m.concurrency
-        else [(None, r) for r in m.rate_rps or []]
-    )
-    combos = itertools.product(m.network, m.input_tokens or [], m.output_tokens or [], loads)
-    kept = [c for c in combos if not any(_matches(cell, *c[:3], *c[3]) for cell in m.exclude)]
-    return [
-        Step(i, inp, out, conc, rate, net, pb.step_duration_s(net)[0])
-        for i, (net, inp, out, (conc, rate)) in enumerate(kept)
-    ]
-
-
-def _trace_steps(pb: Playbook) -> list[Step]:
-    """Each workload under each network condition (and each matrix.rate_rps, its pace)."""
-    from pdx.traces.formats import read_trace
-    from pdx.traces.prompts import scaled
-    from pdx.traces.schedule import Window, plan
-
-    m = pb.matrix
-    steps: list[Step] = []
-    for net in m.network:
-        for name in m.workload or []:
-            w = pb.load.workloads[name]
-            trace = read_trace(w.trace, w.format, block_size=w.block_size,
-                               field_name=f"load.workloads.{name}.trace")  # fmt: skip
-            rates: list[float | None] = list(m.rate_rps or []) or [None]
-            for rate in rates:
-                window = Window(w.start_s, w.duration_s, w.max_requests, w.time_scale, rate)
-                planned, scale = plan(trace, window)
-                span = planned[-1].send_s
-                mean = (len(planned) - 1) / span if span > 0 else float(len(planned))
-                steps.append(Step(
-                    index=len(steps),
-                    input_tokens=max(scaled(p.request.input_tokens, w.length_scale)
-                                     for p in planned),
-                    output_tokens=max(scaled(p.request.output_tokens, w.length_scale)
-                                      for p in planned),
-                    concurrency=None,
-                    rate_rps=round(mean, 4),
-                    network=net,
-                    duration_s=pb.step_duration_s(net)[0],
-                    workload=name,
-                    time_scale=scale,
-                ))  # fmt: skip
-    return steps
-
-
-def _matches(
-    cell: dict[str, Any], net: str, inp: int, out: int, conc: int | None, rate: float | None
-) -> bool:
-    """Whether a step is the ``matrix.exclude`` entry ``cell`` (every key it names agrees)."""
-    values: dict[str, Any] = {"network": net, "input_tokens": inp, "output_tokens": out,
-                              "concurrency": conc, "rate_rps": rate}  # fmt: skip
-
-    def same(a: Any, b: Any) -> bool:
-        if isinstance(a, int | float) and isinstance(b, int | float):
-            return float(a) == float(b)
-        return str(a) == str(b)
-
-    return all(same(values[k], v) for k, v in cell.items())
-
-
-def step_criteria(pb: Playbook, step: Step) -> Criteria:
-    """The global criteria with this step's condition overrides applied."""
-    overrides = pb.conditions[step.network].criteria
-    if not overrides:
-        return pb.criteria
-    return Criteria.model_validate({**pb.criteria.model_dump(), **overrides})
 
 
 def load_playbook(path: Path | str, *, dotted: list[str] | None = None) -> Playbook:

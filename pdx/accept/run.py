@@ -20,6 +20,8 @@ from typing import Any, Literal
 from pdx.accept.judge import criteria as judge
 from pdx.accept.judge.gates import GateContext, StepGates
 from pdx.accept.judge.link import judge_link, judge_link_per_step
+from pdx.accept.judge.offload import advisory, step_body
+from pdx.accept.judge.offload import compare as compare_policies
 from pdx.accept.judge.stats import (
     FORMULAS,
     METRIC_NAMES,
@@ -35,10 +37,11 @@ from pdx.accept.judge.stats import (
 from pdx.accept.load.locust import LocustRun, read_locust_stats, resolve_locustfile, step_args
 from pdx.accept.load.metrics import Snapshot, delta, scrape
 from pdx.accept.load.resources import TreeSampler
-from pdx.accept.playbook import Playbook, Step, expand_steps, playbook_dict, step_criteria
+from pdx.accept.playbook import Playbook, playbook_dict
 from pdx.accept.predict import remedies
 from pdx.accept.report import Report, StepReport, write_report
 from pdx.accept.report.write import environment
+from pdx.accept.steps import Step, expand_steps, step_criteria
 from pdx.accept.target.netns import Topology
 from pdx.accept.target.process import DeployProcess, check_reachable
 from pdx.accept.target.proxy import ProxyLink, counters_delta, proxy_acts
@@ -167,7 +170,10 @@ class AcceptRun:
             await run_with_twins(self, locustfile)
             return
         for step in self.steps:
-            self.outcomes.append(await self._run_step(step, locustfile))
+            outcome = await self._run_step(step, locustfile)
+            for c in outcome.criteria if advisory(self.pb, step) else ():
+                c.advisory = True  # matrix.offload: another policy, judged beside the verdict's
+            self.outcomes.append(outcome)
 
     def _stop_on_sigterm(self) -> None:
         """SIGTERM (a CI timeout, a supervisor) stops the run like Ctrl-C: partial report."""
@@ -253,39 +259,26 @@ class AcceptRun:
         configured = cfg.kv
         return [Path(configured.audit_dir)] if configured.audit_dir else []
 
-    def _transfer_deadline_s(self, fixed_ms: float | None, probe: dict[str, Any]) -> float:
-        """The deploy's transfer deadline: fixed, or derived as its KV clients derive it for
-        the largest request's KV at the probed RTT and goodput (pdx.transfer.path)."""
-        if fixed_ms is not None:
-            return fixed_ms / 1e3
-        from pdx.accept.preflight.kv import kv_bytes_per_request
-        from pdx.transfer.path import ASSUMED_GOODPUT_BPS, derived_deadline_ms
-
-        kv = kv_bytes_per_request((self.preflight or {}).get("_kv"))
-        goodput = float(probe.get("down_gbps") or 0.0) * 1e9 or ASSUMED_GOODPUT_BPS
-        rtt_ms = float(probe.get("rtt_p99_ms") or 0.0)
-        return derived_deadline_ms(kv[1] if kv else 0, rtt_ms, goodput, cold=False) / 1e3
-
     def _gate_context(self) -> GateContext:
         """Deadlines and bounds of the gates, from the deploy config and the probed RTT."""
+        from pdx.accept.preflight.kv import deploy_config, transfer_deadline_s
+
         pb = self.pb
         summary = ((self.preflight or {}).get("probe_link") or {}).get("summary") or {}
         rtt_s = float(summary.get("rtt_p99_ms") or 0.0) / 1e3
         deadline, bound = pb.judgement.request_deadline_s, None
         metrics_url: str | None = None
         if pb.target.deploy is not None:
-            from pdx.accept.preflight.kv import deploy_config
-
             cfg = deploy_config(pb.target, self.playbook_dir)
             deadline = deadline or cfg.gateway.request_timeout_s
             if cfg.engine == "pdx":
-                bound = self._transfer_deadline_s(cfg.kv.kv_transfer_timeout_ms, summary)
+                bound = transfer_deadline_s(cfg.kv.kv_transfer_timeout_ms, summary, self.preflight)
                 bound += 2 * rtt_s
             else:  # vLLM's prefill frees KV nobody pulled when its lease runs out
                 bound = cfg.vllm.kv_lease_s + 2 * rtt_s + 1.0
                 metrics_url = self.url + pb.target.metrics_path
         elif pb.target.records_dirs:  # its kv_transfer_timeout_ms is not known here: derived
-            bound = self._transfer_deadline_s(None, summary) + 2 * rtt_s
+            bound = transfer_deadline_s(None, summary, self.preflight) + 2 * rtt_s
         return GateContext(
             url=self.url,
             audit_dirs=self._audit_dirs(),
@@ -448,10 +441,13 @@ class AcceptRun:
         return outcome
 
     def _step_playbook(self, step: Step) -> Playbook:
-        """The playbook the step's load is generated from (a local twin sends pdx_route)."""
-        if step.network not in self.local_nets:
+        """The playbook the step's load is generated from (a local twin sends pdx_route, a
+        step of matrix.offload its policy)."""
+        body = step_body(self.pb.target.extra_body, step)
+        if step.network in self.local_nets:
+            body = {**body, "pdx_route": "local"}
+        if body is self.pb.target.extra_body:
             return self.pb
-        body = {**self.pb.target.extra_body, "pdx_route": "local"}
         target = self.pb.target.model_copy(update={"extra_body": body})
         return self.pb.model_copy(update={"target": target})
 
@@ -679,6 +675,7 @@ class AcceptRun:
         }
         if self.baseline_rows:
             extra["baseline"] = baseline_summary(self.baseline_rows)
+        extra["offload"] = compare_policies(self.pb, self.outcomes)
         return extra
 
     def _predict(self) -> tuple[dict[str, Any], dict[str, Any] | None]:

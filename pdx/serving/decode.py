@@ -88,6 +88,11 @@ class Sequence:
         """Prompt token ids."""
         return list(self.request.prompt_token_ids)
 
+    @property
+    def salt(self) -> str:
+        """The request's prefix-cache salt ("" = none)."""
+        return self.request.cache_salt
+
 
 class DecodeEngine:
     """Continuous batching over one backend; a single thread runs every forward pass."""
@@ -535,7 +540,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
         start, cache = seq.request.kv_start_token, self.engine.cache
         if not start or cache is None:
             return True
-        seq.found = reuse(cache, seq.prompt, start // cache.block_tokens)
+        seq.found = reuse(cache, seq.prompt, start // cache.block_tokens, seq.salt)
         if seq.found.cached_tokens == start:
             return True
         self._unpin(seq)
@@ -549,7 +554,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     async def _stitch(self, seq: Sequence) -> None:
         """Cached prefix + received suffix → the prompt's KV; its blocks join the cache."""
         e = self.engine
-        found = seq.found or reuse(e.cache, seq.prompt, 0)  # whole KV: the hashes, no pins
+        found = seq.found or reuse(e.cache, seq.prompt, 0, seq.salt)  # whole KV: hashes only
         if found.blocks and seq.state is not None:
             seq.state = await e.run_model(_join_prefix, e.backend, found, seq.state)
             seq.stats.cached_tokens = found.cached_tokens
@@ -568,7 +573,7 @@ class DecodeServicer(serving_pb2_grpc.DecodeServicer):
     async def _local_prefill(self, seq: Sequence) -> None:
         e, prompt = self.engine, seq.prompt
         self._unpin(seq)
-        found = reuse(e.cache, prompt)
+        found = reuse(e.cache, prompt, salt=seq.salt)
         t0 = time.perf_counter()
         try:
             seq.state, logits, compute_s = await e.run_model(

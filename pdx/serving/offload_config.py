@@ -55,3 +55,12 @@ class OffloadConfig(BaseModel):
         description="decode choice under a cache-aware policy: the share of the prompt an "
         "instance holds, times this, is added to its load score",
     )
+
+
+class OffloadChoice(BaseModel):
+    """A request's own offload policy (``pdx_offload``): what ``router.offload`` says, for this
+    one request (playbooks compare policies on one deployment with it)."""
+
+    model_config = ConfigDict(extra="forbid")
+    policy: Policy | None = Field(None, description="length, uncached or break_even")
+    threshold_tokens: int | None = Field(None, ge=0, le=2**31 - 1, description="the threshold")

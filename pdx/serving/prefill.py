@@ -406,7 +406,7 @@ class PrefillServicer(serving_pb2_grpc.PrefillServicer):
         prompt's whole blocks are kept for the next request that shares them."""
         started = time.perf_counter()
         sampling = Sampling.from_proto(request.sampling)
-        found = reuse(self.cache, ids)
+        found = reuse(self.cache, ids, salt=request.cache_salt)
         try:
             state, first = await asyncio.get_running_loop().run_in_executor(
                 self._model, _prefill_and_pick, self.backend, ids, sampling, found, on_layer

@@ -34,10 +34,13 @@ SNAPSHOT_BATCH = 65536
 _ROOT = b"pdx-prefix-v1"
 
 
-def block_hashes(token_ids: Sequence[int], block_tokens: int) -> list[int]:
-    """The chained hash (unsigned 64-bit) of every whole block of ``token_ids``."""
+def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") -> list[int]:
+    """The chained hash (unsigned 64-bit) of every whole block of ``token_ids``; a request's
+    ``cache_salt`` starts its chain elsewhere, so prompts with other salts share no block."""
     hashes: list[int] = []
     parent = _ROOT + block_tokens.to_bytes(4, "little")
+    if salt:
+        parent = hashlib.blake2b(parent + salt.encode(), digest_size=8).digest()
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         block = array("q", token_ids[start : start + block_tokens]).tobytes()
         digest = hashlib.blake2b(parent + block, digest_size=8).digest()
@@ -111,9 +114,9 @@ class PrefixCache:
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self.blocks
 
-    def hashes(self, token_ids: Sequence[int]) -> list[int]:
+    def hashes(self, token_ids: Sequence[int], salt: str = "") -> list[int]:
         """The prompt's block hashes, at this cache's block size."""
-        return block_hashes(token_ids, self.block_tokens)
+        return block_hashes(token_ids, self.block_tokens, salt)
 
     def held_blocks(self, hashes: Sequence[int], prompt_tokens: int) -> int:
         """Leading blocks of a prompt held here, at most those a cache may supply."""
@@ -246,13 +249,17 @@ class Reuse:
 
 
 def reuse(
-    cache: PrefixCache | None, token_ids: Sequence[int], most_blocks: int | None = None
+    cache: PrefixCache | None,
+    token_ids: Sequence[int],
+    most_blocks: int | None = None,
+    salt: str = "",
 ) -> Reuse:
-    """Pin the leading blocks of ``token_ids`` that ``cache`` holds (at most ``most_blocks``);
-    an empty look-up without a cache. Give them back with :meth:`PrefixCache.unpin`."""
+    """Pin the leading blocks of ``token_ids`` (under ``salt``) that ``cache`` holds (at most
+    ``most_blocks``); an empty look-up without a cache. Give them back with
+    :meth:`PrefixCache.unpin`."""
     if cache is None:
         return Reuse([], [], 1)
-    hashes = cache.hashes(token_ids)
+    hashes = cache.hashes(token_ids, salt)
     held = cache.held_blocks(hashes, len(token_ids)) if most_blocks != 0 else 0
     held = held if most_blocks is None else min(held, most_blocks)
     return Reuse(hashes, cache.pin(hashes[:held]), cache.block_tokens)

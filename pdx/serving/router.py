@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from pdx.serving.deploy_config import RouterConfig
+from pdx.serving.offload_config import OffloadChoice
 from pdx.serving.offload_rates import LiveRates, Prediction
 from pdx.serving.prefix_cache import block_hashes, leading_matches, reusable_blocks
 
@@ -287,14 +288,21 @@ class Router:
         user: str | None,
         max_tokens: int = 0,
         prompt_ids: Sequence[int] = (),
+        choice: OffloadChoice | None = None,
+        salt: str = "",
     ) -> Decision | None:
         """Path and instances for one request; None when no decode capacity (early rejection).
 
         ``prompt_ids``: the prompt's token ids, compared with what each decode's prefix cache
-        holds (none given: nothing is taken as cached).
+        holds under the request's ``salt`` (none given: nothing is taken as cached).
+        ``choice``: the request's own policy and threshold (``pdx_offload``), else
+        ``router.offload``'s.
         """
-        policy = self.cfg.offload.policy
-        cached = self._cached(prompt_ids, prompt_tokens)
+        policy = (choice and choice.policy) or self.cfg.offload.policy
+        threshold = self.local_prefill_max_tokens
+        if choice is not None and choice.threshold_tokens is not None:
+            threshold = choice.threshold_tokens
+        cached = self._cached(prompt_ids, prompt_tokens, salt)
         aware = policy != "length"  # length: as before caches, the prompt's length alone
         shares = {name: n / max(1, prompt_tokens) for name, n in cached.items() if aware}
         decode = self.pick_decode(user, prompt_tokens + max_tokens, shares)
@@ -304,7 +312,7 @@ class Router:
         need = decode.kv_need_bytes(prompt_tokens + max_tokens)
         decision = Decision("local", decode, kv_need_bytes=need, cached_tokens=held,
                             uncached_tokens=prompt_tokens - held, policy=policy,
-                            threshold_tokens=self.local_prefill_max_tokens,
+                            threshold_tokens=threshold,
                             kv_start_token=held if aware else 0)  # fmt: skip
         measured = prompt_tokens - held if aware else prompt_tokens
         if requested == "local" or (requested == "auto" and not self._remote(decision, measured)):
@@ -326,7 +334,7 @@ class Router:
     def _remote(self, decision: Decision, measured: int) -> bool:
         """Whether an ``auto`` request's policy sends its prefill to the prefill site."""
         if decision.policy != "break_even":
-            return measured >= self.local_prefill_max_tokens
+            return measured >= decision.threshold_tokens
         rates, uncached = self.rates, decision.uncached_tokens
         d = decision.decode
         decision.predicted = rates.predict(
@@ -336,15 +344,17 @@ class Router:
             decision.explore = rates.exploring = stale  # measure it (one request at a time)
             return stale == "remote"
         if decision.predicted is None:  # until both paths are measured: the uncached rule
-            return measured >= self.local_prefill_max_tokens
+            return measured >= decision.threshold_tokens
         return decision.predicted.remote
 
-    def _cached(self, prompt_ids: Sequence[int], prompt_tokens: int) -> dict[str, int]:
+    def _cached(
+        self, prompt_ids: Sequence[int], prompt_tokens: int, salt: str = ""
+    ) -> dict[str, int]:
         """Per decode, the leading tokens of the prompt its prefix cache holds."""
         sizes = {d.block_tokens for d in self.decodes if d.block_tokens}
         out: dict[str, int] = {}
         for size in sizes if prompt_ids else ():
-            hashes = block_hashes(prompt_ids, size)
+            hashes = block_hashes(prompt_ids, size, salt)
             for d in self.decodes:
                 if d.block_tokens == size and d.cached_blocks:
                     out[d.name] = d.cached_tokens(hashes, prompt_tokens)

@@ -15,8 +15,9 @@ import pytest
 
 from pdx.accept.judge import confidence as ci
 from pdx.accept.judge.criteria import EXIT_CODES, CriterionResult, judge_step, run_verdict
-from pdx.accept.playbook import Criteria, Step
+from pdx.accept.playbook import Criteria
 from pdx.accept.predict.remedies import undecided_steps
+from pdx.accept.steps import Step
 
 C = 0.95
 STEP = Step(0, 48, 8, 2, None, "normal", 15.0)

@@ -123,6 +123,6 @@ def test_held_facts_take_the_first_sample_with_every_prefill_free() -> None:
 
 
 def _step() -> Any:
-    from pdx.accept.playbook import Step
+    from pdx.accept.steps import Step
 
     return Step(0, 48, 8, 1, None, "normal", 10.0)

@@ -18,8 +18,9 @@ from typer.testing import CliRunner
 from pdx.accept.judge import confidence as ci
 from pdx.accept.judge.criteria import CriterionResult, judge_link, judge_step, run_verdict
 from pdx.accept.judge.repeat import summarize_runs
-from pdx.accept.playbook import Criteria, Step
+from pdx.accept.playbook import Criteria
 from pdx.accept.report import Report
+from pdx.accept.steps import Step
 from pdx.cli.main import app
 
 C = 0.95

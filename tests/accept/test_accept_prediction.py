@@ -13,7 +13,7 @@ import pytest
 from typer.testing import CliRunner
 
 from pdx.accept.judge.criteria import CriterionResult
-from pdx.accept.playbook import expand_steps, load_playbook
+from pdx.accept.playbook import load_playbook
 from pdx.accept.predict import advice
 from pdx.accept.predict.prediction import compare, judge, sim_fields, simulate_step, step_workload
 from pdx.accept.report import (
@@ -27,6 +27,7 @@ from pdx.accept.report import (
     no_recommendations,
     smallest_margin,
 )
+from pdx.accept.steps import expand_steps
 from pdx.cli.main import app
 from pdx.errors import ConfigError, InputError
 from pdx.sim.calibrate import calibrate, compute_fits, model_fields

@@ -149,7 +149,7 @@ def test_loose_thresholds_are_flagged_only_when_loose_on_every_step() -> None:
 
 def test_the_split_pays_costs_or_shows_no_difference() -> None:
     from pdx.accept.judge.baseline import compare
-    from pdx.accept.playbook import Step
+    from pdx.accept.steps import Step
 
     def side(p50: float, lo: float, hi: float, good: float) -> dict[str, Any]:
         q = {"value": p50, "interval": [lo, hi]}

@@ -9,10 +9,11 @@ from typing import Any
 
 import pytest
 
-from pdx.accept.playbook import expand_steps, load_playbook
+from pdx.accept.playbook import load_playbook
 from pdx.accept.report import StepReport
 from pdx.accept.search.limit import Axis
 from pdx.accept.search.predict import PULL_ROUND_TRIPS, LimitModel, predict
+from pdx.accept.steps import expand_steps
 
 PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
 # the embedded tiny model as vLLM serves it (pre-flight measure-kv of an engine: vllm run)

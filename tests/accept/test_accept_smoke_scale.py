@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from pdx.accept.playbook import expand_steps, load_playbook
+from pdx.accept.playbook import load_playbook
 from pdx.accept.preflight import budget
 from pdx.accept.preflight.budget import KVDoesNotFit, size_kv, sizing_lines
+from pdx.accept.steps import expand_steps
 
 PLAYBOOKS = Path(__file__).resolve().parents[2] / "playbooks"
 REFERENCE = PLAYBOOKS / "cross-dc-reference.yaml"

@@ -10,8 +10,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from pdx.accept.judge.criteria import check_validity, judge_step
 from pdx.accept.judge.stats import derive_rates, distribution, recovery_s, summarize
 from pdx.accept.load.metrics import Snapshot, delta, parse_metrics, sample_key, split_key
-from pdx.accept.playbook import Criteria, Step, Validity
+from pdx.accept.playbook import Criteria, Validity
 from pdx.accept.predict.remedies import kv_demand, load_caps
+from pdx.accept.steps import Step
 
 names = st.from_regex(r"pdx_[a-z_]{1,12}", fullmatch=True)
 labels = st.dictionaries(

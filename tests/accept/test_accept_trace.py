@@ -62,3 +62,46 @@ def test_trace_replay_end_to_end_and_the_simulator_agrees_on_the_bytes(tmp_path:
     predicted = json.loads(sim.stdout)["disaggregated"]["kv_shipped_bytes"]
     measured = tr["kv_bytes_total"]
     assert abs(predicted - measured) / measured < 0.05, (predicted, measured)
+
+
+def test_offload_policies_side_by_side_on_the_same_window(tmp_path: Path) -> None:
+    """matrix.offload: the window replayed under length, then uncached, on one deployment; the
+    second policy's step finds no cache the first one warmed (its tokens are salted by step)."""
+    args = ["accept", str(PLAYBOOK), "--out", str(tmp_path), "--no-progress", "--json",
+            "--set", f"load.workload.max_requests={WINDOW}", "--set", "validity.min_requests=50",
+            "--set", "matrix.duration_s=12", "--set", "validity.min_duration_s=5",
+            "--set", "matrix.offload=[length,uncached]", "--set", "preflight.measure_kv=false",
+            "--set", "judgement.replay_requests=0"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code in (0, 1, 3), result.output
+    data = json.loads(result.stdout)
+    length, uncached = data["steps"]
+    assert length["id"].endswith("-normal-length") and uncached["id"].endswith("-normal-uncached")
+    by_step = {sid: [c["advisory"] for c in data["criteria"] if c["step"] == sid]
+               for sid in (length["id"], uncached["id"])}  # fmt: skip
+    assert by_step[uncached["id"]] and all(by_step[uncached["id"]])  # judged beside, advisory
+    assert by_step[length["id"]] and not any(by_step[length["id"]])  # the verdict is length's
+    lt, ut = length["summary"]["trace"], uncached["summary"]["trace"]
+    assert (lt["policy"], ut["policy"]) == ("length", "uncached")
+    ideal = ut["ideal_hit_ratio"]
+    assert ut["reported_cached_ratio"] == pytest.approx(ideal)  # no warm cache from step 1
+    assert lt["offloaded_share"] == ut["offloaded_share"] == 1.0
+    saved = 1 - ut["kv_bytes_total"] / lt["kv_bytes_total"]
+    assert abs(saved - ideal) < 0.10, (saved, ideal)  # fewer bytes by about the reused share
+    off = data["offload"]
+    assert off["candidate"] == "length" and off["policies"] == ["length", "uncached"]
+    (cell,) = off["cells"]
+    assert cell["order"] == ["length", "uncached"]
+    (versus,) = cell["versus"]
+    sides = cell["policies"]
+    assert sides["uncached"]["kv_bytes"] == ut["kv_bytes_total"]
+    assert versus["kv_bytes_ratio"] == pytest.approx(lt["kv_bytes_total"] / ut["kv_bytes_total"],
+                                                     rel=1e-3)  # fmt: skip
+    assert versus["verdict"] in ("pays", "costs", "mixed", "no difference shown")
+    for side in sides.values():
+        assert side["goodput_rps"]["interval"] is not None and side["requests"] == WINDOW
+        lo, hi = side["ttft_p90_ms"]["interval"]
+        assert lo <= side["ttft_p90_ms"]["value"] <= hi
+    report_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
+    md = (report_dir / "report.md").read_text()
+    assert "## Offload policies" in md and versus["line"] in md

@@ -9,7 +9,8 @@ import pytest
 import yaml
 
 from pdx.accept.load.locust import step_args
-from pdx.accept.playbook import expand_steps, load_playbook
+from pdx.accept.playbook import load_playbook
+from pdx.accept.steps import expand_steps
 from pdx.config import ConfigError
 
 ROOT = Path(__file__).resolve().parents[2]

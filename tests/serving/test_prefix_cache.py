@@ -92,12 +92,14 @@ async def pair(request: pytest.FixtureRequest) -> AsyncIterator[tuple[Gateway, A
         yield p
 
 
-async def post(gw: Gateway, prompt: list[int], route: str = "auto", n: int = 8) -> dict[str, Any]:
+async def post(
+    gw: Gateway, prompt: list[int], route: str = "auto", n: int = 8, status: int = 200, **extra: Any
+) -> dict[str, Any]:
     body = {"prompt": prompt, "max_tokens": n, "pdx_route": route, "return_token_ids": True,
-            "ignore_eos": True}  # fmt: skip
+            "ignore_eos": True, **extra}  # fmt: skip
     url = f"http://127.0.0.1:{gw.port}/v1/completions"
     async with aiohttp.ClientSession() as s, s.post(url, json=body) as r:
-        assert r.status == 200, await r.text()
+        assert r.status == status, await r.text()
         data: dict[str, Any] = await r.json()
         return data
 
@@ -165,13 +167,42 @@ async def test_uncached_policy_keeps_a_cached_prompt_local(pair: tuple[Gateway, 
                                            "predicted_remote_ms": None,
                                            "predicted_local_ms": None, "explore": None,
                                            "path": "local"}  # fmt: skip
-        offload.policy = "length"  # the rule before caches: 100 >= 32 ships, the whole prompt
-        length = await post(gw, prompt)
+        # the request's own policy: the rule before caches, 100 >= 32 ships the whole prompt
+        length = await post(gw, prompt, pdx_offload={"policy": "length"})
         assert length["pdx"]["route"] == "disaggregated" and length["pdx"]["kv_start_token"] == 0
         assert length["pdx"]["offload"]["cached_tokens"] == 96  # known, not used by the rule
+        assert length["pdx"]["offload"]["policy"] == "length"
         assert length["pdx"]["kv_bytes"] >= 100 * BYTES_PER_TOKEN
+        offload.policy = "length"  # and the deploy's: a request may ask for uncached instead
+        own = await post(gw, prompt, pdx_offload={"policy": "uncached", "threshold_tokens": 4})
+        assert own["pdx"]["offload"]["policy"] == "uncached"
+        assert own["pdx"]["route"] == "disaggregated" and own["pdx"]["kv_start_token"] == 96
+        assert own["pdx"]["kv_bytes"] < 6 * BYTES_PER_TOKEN  # the 4 tokens decode lacks
     finally:
         offload.policy = "uncached"
+    for bad, field in (({"policy": "cheapest"}, "policy"), ({"threshold": 3}, "threshold"),
+                       ({"threshold_tokens": -1}, "threshold_tokens")):  # fmt: skip
+        err = await post(gw, prompt, status=400, pdx_offload=bad)
+        assert field in err["error"]["message"] and "pdx_offload" in err["error"]["message"], err
+
+
+@aio
+async def test_a_cache_salt_shares_no_blocks_with_other_salts(
+    pair: tuple[Gateway, Any, Any], reference: Any
+) -> None:
+    gw, _, _ = pair
+    prompt = ids(70, 11)
+    await post(gw, prompt, "local", cache_salt="tenant-a")
+    same = await post(gw, prompt, "local", cache_salt="tenant-a")
+    other = await post(gw, prompt, "local", cache_salt="tenant-b")
+    plain = await post(gw, prompt, "local")
+    assert same["pdx"]["cached_tokens"] == 64
+    assert other["pdx"]["cached_tokens"] == 0 and plain["pdx"]["cached_tokens"] == 0
+    # the router looks the salted prompt up with its salt too, and prefill keeps salts apart
+    assert gw.router._cached(prompt, len(prompt), "tenant-a") == {"decode-0": 64}
+    shipped = await post(gw, prompt + ids(20, 12), "disaggregated", cache_salt="tenant-b")
+    assert shipped["pdx"]["kv_start_token"] == 64 and shipped["pdx"]["prefill_cached_tokens"] == 0
+    assert shipped["choices"][0]["token_ids"] == reference(prompt + ids(20, 12), 8)
 
 
 @aio

@@ -21,7 +21,8 @@ from vllm_helpers import engine_gateway, side_channel_cut, unique_prompt, vllm_d
 from pdx.accept.judge.criteria import judge_step
 from pdx.accept.judge.gates import engine_silent_fallback
 from pdx.accept.judge.stats import derive_rates
-from pdx.accept.playbook import Criteria, Step
+from pdx.accept.playbook import Criteria
+from pdx.accept.steps import Step
 from pdx.serving.supervisor import Deployment
 
 pytestmark = [pytest.mark.slow, pytest.mark.alone, pytest.mark.timeout(600)]

@@ -24,7 +24,8 @@ import numpy as np
 
 from pdx.accept.judge import confidence as ci
 from pdx.accept.judge.stats import samples
-from pdx.accept.playbook import Criteria, Playbook, Step, step_criteria
+from pdx.accept.playbook import Criteria, Playbook
+from pdx.accept.steps import Step, step_criteria
 
 
 class AcceptRun(Protocol):
@@ -55,12 +56,16 @@ def twin_name(network: str) -> str:
 
 
 def side(
-    rows: list[dict[str, Any]], elapsed_s: float, criteria: Criteria, confidence: float
+    rows: list[dict[str, Any]],
+    elapsed_s: float,
+    criteria: Criteria,
+    confidence: float,
+    quantiles: tuple[tuple[str, str, float], ...] = QUANTILES,
 ) -> dict[str, Any]:
     """One side's figures: quantiles and goodput, each ``{value, interval}``."""
     values = samples(rows)
     out: dict[str, Any] = {"requests": len(rows)}
-    for name, key, q in QUANTILES:
+    for name, key, q in quantiles:
         xs = values[key]
         if not xs:
             out[name] = {"value": None, "interval": None}
@@ -90,7 +95,7 @@ def _meets(row: dict[str, Any], c: Criteria) -> bool:
     return not (c.tpot_p99_ms is not None and tpot is not None and tpot > c.tpot_p99_ms)
 
 
-def _above(a: dict[str, Any], b: dict[str, Any]) -> bool:
+def above(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether a's interval lies wholly above b's."""
     ia, ib = a.get("interval"), b.get("interval")
     return bool(ia and ib and ia[0] is not None and ib[1] is not None and ia[0] > ib[1])
@@ -102,8 +107,8 @@ def compare(
     """One step's row: both sides, the differences, and what the split pays or costs."""
     s50, c50 = split["ttft_p50_ms"], colo["ttft_p50_ms"]
     sg, cg = split["goodput_rps"], colo["goodput_rps"]
-    better = [w for w, yes in (("TTFT p50", _above(c50, s50)), ("goodput", _above(sg, cg))) if yes]
-    worse = [w for w, yes in (("TTFT p50", _above(s50, c50)), ("goodput", _above(cg, sg))) if yes]
+    better = [w for w, yes in (("TTFT p50", above(c50, s50)), ("goodput", above(sg, cg))) if yes]
+    worse = [w for w, yes in (("TTFT p50", above(s50, c50)), ("goodput", above(cg, sg))) if yes]
     if better and worse:
         verdict = "mixed"
     elif better:

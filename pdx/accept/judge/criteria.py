@@ -18,7 +18,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from pdx.accept.judge import confidence as ci
-from pdx.accept.playbook import Criteria, Playbook, Step, Validity
+from pdx.accept.playbook import Criteria, Playbook, Validity
+from pdx.accept.steps import Step
 
 Result = Literal["pass", "fail", "indeterminate", "not_measured"]
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 from pdx.accept.judge import criteria as judge
-from pdx.accept.playbook import Playbook, Step, step_criteria
+from pdx.accept.playbook import Playbook
+from pdx.accept.steps import Step, step_criteria
 
 
 class AcceptRun(Protocol):

@@ -12,10 +12,12 @@ import csv
 import json
 import math
 import sys
+import zlib
 from pathlib import Path
 from typing import Any
 
-from pdx.accept.playbook import Load, Playbook, Step
+from pdx.accept.playbook import Load, Playbook
+from pdx.accept.steps import Step
 from pdx.errors import InputError
 from pdx.netaddr import listen_port
 
@@ -86,6 +88,13 @@ def step_args(pb: Playbook, step: Step, url: str, records_dir: Path) -> list[str
     return args
 
 
+def trace_salt(salt: int, step: Step) -> int:
+    """The salt of a trace step's prompt tokens: the workload's, mixed with the step's id, so
+    two steps (two conditions, two offload policies, a colocated twin) replay the same reuse
+    with tokens of their own — no step finds the prefix caches warmed by an earlier one."""
+    return salt * 2**32 + zlib.crc32(step.id.encode())
+
+
 def trace_args(pb: Playbook, step: Step) -> list[str]:
     """A trace step: one user replays the window at the step's time scale, open loop."""
     assert step.workload is not None
@@ -93,7 +102,8 @@ def trace_args(pb: Playbook, step: Step) -> list[str]:
     args = ["--pdx-mode", "trace", "--pdx-trace", w.trace, "--pdx-trace-format", w.format,
             "--pdx-length-scale", f"{w.length_scale!r}",
             "--pdx-time-scale", f"{step.time_scale or w.time_scale!r}",
-            "--pdx-trace-start-s", f"{w.start_s!r}", "--pdx-trace-salt", str(w.salt),
+            "--pdx-trace-start-s", f"{w.start_s!r}",
+            "--pdx-trace-salt", str(trace_salt(w.salt, step)),
             "--pdx-max-inflight", str(pb.load.max_inflight)]  # fmt: skip
     if w.block_size:
         args += ["--pdx-trace-block-size", str(w.block_size)]

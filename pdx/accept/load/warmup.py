@@ -6,7 +6,8 @@ import random
 import time
 from typing import Any
 
-from pdx.accept.playbook import Load, Step, Target
+from pdx.accept.playbook import Load, Target
+from pdx.accept.steps import Step
 
 
 async def warm_up(

@@ -15,7 +15,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdx.accept.playbook import Playbook, Step, step_criteria
+from pdx.accept.playbook import Playbook
 from pdx.accept.predict import advice
 from pdx.accept.predict.prediction import (
     StepPrediction,
@@ -25,6 +25,7 @@ from pdx.accept.predict.prediction import (
     sim_fields,
 )
 from pdx.accept.report import Recommendation, StepReport
+from pdx.accept.steps import Step, step_criteria
 
 
 def _step_dict(step: Step, report: StepReport) -> dict[str, Any]:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING, Any
 
-from pdx.accept.playbook import Step
+from pdx.accept.steps import Step
 
 if TYPE_CHECKING:
     from pdx.accept.judge.criteria import CriterionResult, ValidityResult

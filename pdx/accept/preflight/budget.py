@@ -26,7 +26,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pdx.accept.playbook import Playbook, Step
+from pdx.accept.playbook import Playbook
+from pdx.accept.steps import Step
 from pdx.errors import ConfigError, PdxError
 from pdx.units import human_bytes
 

@@ -10,7 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from pdx.accept.playbook import Playbook, Target, expand_steps
+from pdx.accept.playbook import Playbook, Target
+from pdx.accept.steps import expand_steps
 from pdx.errors import PdxError
 from pdx.serving.backends.presets import TINY_PRESETS, tiny_config_json
 
@@ -114,3 +115,19 @@ def kv_bytes_per_request(measured: dict[str, Any] | None) -> tuple[int, int] | N
         return None
     top = max(rows, key=lambda r: int(r.get("kv_bytes", 0)))
     return int(top["seq"]), int(top["kv_bytes"])
+
+
+def transfer_deadline_s(
+    fixed_ms: float | None, probe: dict[str, Any], preflight: dict[str, Any] | None
+) -> float:
+    """The deploy's transfer deadline: fixed, or derived as its KV clients derive it for the
+    largest request's KV (the pre-flight's ``_kv``) at the probed RTT and goodput
+    (pdx.transfer.path)."""
+    if fixed_ms is not None:
+        return fixed_ms / 1e3
+    from pdx.transfer.path import ASSUMED_GOODPUT_BPS, derived_deadline_ms
+
+    kv = kv_bytes_per_request((preflight or {}).get("_kv"))
+    goodput = float(probe.get("down_gbps") or 0.0) * 1e9 or ASSUMED_GOODPUT_BPS
+    rtt_ms = float(probe.get("rtt_p99_ms") or 0.0)
+    return derived_deadline_ms(kv[1] if kv else 0, rtt_ms, goodput, cold=False) / 1e3

@@ -503,6 +503,32 @@ def _with_interval(d: dict[str, Any], unit: str = " ms") -> str:
     return f"{d['value']:.4g}{unit}{span}"
 
 
+OFFLOAD_HEADERS = ["cell", "policy", "requests", "goodput (req/s)", "TTFT p50", "TTFT p90",
+                   "TTFT p99", "TPOT p50", "KV bytes", "KV Gbps", "offloaded",
+                   "decode prefill s"]  # fmt: skip
+
+
+def offload_section(o: dict[str, Any]) -> Section:
+    """matrix.offload: each cell's policies side by side, and what the first one pays."""
+    rows = [
+        [c["cell"], name, str(p["requests"]), _with_interval(p["goodput_rps"], ""),
+         _with_interval(p["ttft_p50_ms"]), _with_interval(p["ttft_p90_ms"]),
+         _with_interval(p["ttft_p99_ms"]), _with_interval(p["tpot_p50_ms"]),
+         f"{p['kv_bytes']:,}", f"{p['kv_gbps']:.3g}",
+         "–" if p["offloaded_share"] is None else f"{100 * p['offloaded_share']:.0f} %",
+         f"{p['decode_prefill_ms'] / 1e3:.3g}"]
+        for c in o["cells"] for name, p in c["policies"].items()
+    ]  # fmt: skip
+    lines = [
+        o["summary"]
+        + "; run order per cell: "
+        + "; ".join(f"{c['cell']} {', '.join(c['order'])}" for c in o["cells"])
+        + "."
+    ]
+    lines += [v["line"] + "." for c in o["cells"] for v in c["versus"]]
+    return ("Offload policies", lines, OFFLOAD_HEADERS, rows)
+
+
 TRACE_HEADERS = ["step", "requests", "sessions", "ideal hit", "reported cached",
                  "engine hit (vLLM)", "offloaded (policy)", "KV B / request", "KV B total",
                  "send lag p50 / p99 ms"]  # fmt: skip
@@ -608,6 +634,8 @@ def extra_sections(report: Report) -> list[Section]:
         if b.get("capacity"):
             lines.append(b["capacity"])
         out.append(("Split vs colocated", lines, BASELINE_HEADERS, rows))
+    if report.offload:
+        out.append(offload_section(report.offload))
     traced = [s for s in report.steps if s.summary.get("trace")]
     if traced:
         out.append(trace_section(traced))

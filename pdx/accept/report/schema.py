@@ -19,7 +19,8 @@ SCHEMA_PATH = Path(__file__).parents[1] / "report.schema.json"
 # 3: a criterion's result may be not_measured; threshold-0 criteria carry rate_bound; the link
 #    verdict is a criterion per step (link_verdict); not_judged lists the criteria set to null.
 # 4: search (pdx accept --search), baseline (split vs colocated), not_a_constraint.
-SCHEMA_VERSION = 4
+# 5: offload (matrix.offload: policies side by side).
+SCHEMA_VERSION = 5
 
 
 class StepReport(BaseModel):
@@ -102,7 +103,7 @@ class Report(BaseModel):
     """A signed-off (or refused) acceptance run."""
 
     model_config = ConfigDict(extra="forbid")
-    schema_version: Literal[4] = 4
+    schema_version: Literal[5] = 5
     name: str
     verdict: Literal["GO", "NO-GO", "INCONCLUSIVE"]
     valid: bool
@@ -155,6 +156,12 @@ class Report(BaseModel):
         description="baseline: colocated: per step the split beside every request prefilled "
         "locally (TTFT p50/p99, TPOT p50, goodput with intervals) and whether the split pays",
     )
+    offload: dict[str, Any] | None = Field(
+        default=None,
+        description="matrix.offload: per cell each policy's figures (goodput, TTFT p50/p90/p99, "
+        "TPOT p50 with intervals, KV bytes and Gbps, share offloaded, decode's prefill time) and "
+        "whether the first policy pays over each other one",
+    )
     not_a_constraint: list[dict[str, Any]] = Field(
         default_factory=list,
         description="criteria whose threshold is more than 10x the measured value on every "
@@ -186,8 +193,8 @@ def load_report(directory: Path | str) -> Report:
         data = json.loads(p.read_text())
         if isinstance(data, dict) and data.get("schema_version") == 1:
             data = upgrade_v1(data)
-        if isinstance(data, dict) and data.get("schema_version") in (2, 3):
-            data = dict(data, schema_version=4)  # 3 and 4 only add fields and a result value
+        if isinstance(data, dict) and data.get("schema_version") in (2, 3, 4):
+            data = dict(data, schema_version=5)  # 3 to 5 only add fields and a result value
         return Report.model_validate(data)
     except ValueError as exc:
         raise InputError("report", str(p), f"a valid pdx report.json ({exc})") from None
@@ -195,7 +202,7 @@ def load_report(directory: Path | str) -> Report:
 
 def upgrade_v1(data: dict[str, Any]) -> dict[str, Any]:
     """A schema-1 report as schema 2: its list of changes moves to what_to_change."""
-    out = dict(data, schema_version=4)
+    out = dict(data, schema_version=5)
     old = out.pop("recommendations", None)
     out["what_to_change"] = list(old) if isinstance(old, list) else []
     out["recommendations"] = {

@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from pdx.accept.playbook import Playbook, Step, step_criteria
+from pdx.accept.playbook import Playbook
 from pdx.accept.predict.prediction import (
     deploy_facts,
     goodput_bps,
@@ -33,6 +33,7 @@ from pdx.accept.predict.prediction import (
 )
 from pdx.accept.report import StepReport
 from pdx.accept.search.limit import Axis
+from pdx.accept.steps import Step, step_criteria
 
 PREDICTED = ("ttft_p50_ms", "ttft_p99_ms", "tpot_p50_ms", "tpot_p99_ms", "transfer_p50_ms")
 CURVE_POINTS = 10

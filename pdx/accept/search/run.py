@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from pdx.accept.judge import criteria as judge
-from pdx.accept.playbook import Playbook, Step, expand_steps
+from pdx.accept.playbook import Playbook
 from pdx.accept.run import AcceptRun, StageFn, StepOutcome, report_dir_for
 from pdx.accept.search.limit import (
     MAX_PROBES,
@@ -32,6 +32,7 @@ from pdx.accept.search.limit import (
     search_exit_code,
     worst_ratio,
 )
+from pdx.accept.steps import Step, expand_steps
 
 ProbeFn = Callable[[Probe, dict[str, Any]], None]
 """Called after every probe: the probe, and its search so far (param, condition)."""

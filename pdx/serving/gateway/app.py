@@ -34,6 +34,7 @@ from pdx.serving.gateway.protocol import (
     ModelCard,
     ModelList,
     ServedModel,
+    bad_request,
     parse_json,
     prompt_ids,
     resolve,
@@ -94,6 +95,7 @@ class Gateway:
     """The HTTP front door; owns the router, the gRPC channels and the metrics."""
 
     flow_factory: type[Flow] = Flow  # one choice's path (engine gateways use their own)
+    follows_caches = True  # whether the router sees the decodes' prefix caches
 
     def __init__(
         self,
@@ -356,10 +358,16 @@ class Gateway:
                 "kv_budget_exceeded",
                 param="max_tokens",
             )
+        policy = req.offload.policy if req.offload is not None else None
+        if policy not in (None, "length") and not self.follows_caches:
+            raise bad_request("pdx_offload.policy", f"pdx_offload.policy: got {policy!r}, "
+                              "expected 'length' (this gateway does not follow the engines' "
+                              "prefix caches)")  # fmt: skip
         for index in range(req.n):
             decision = self.router.decide(
-                req.route, len(req.prompt_ids), req.user, req.max_tokens, req.prompt_ids
-            )
+                req.route, len(req.prompt_ids), req.user, req.max_tokens, req.prompt_ids,
+                req.offload, req.cache_salt,
+            )  # fmt: skip
             if decision is None:
                 for flow in flows:
                     flow.release()

@@ -39,6 +39,7 @@ class EngineGateway(Gateway):
     """The gateway with vLLM prefill and decode instances behind it."""
 
     flow_factory = EngineFlow
+    follows_caches = False  # vLLM's KV events are not followed: only the length policy
     ctx: EngineFlowContext
 
     def __init__(self, *args: Any, engine: EngineSettings, vocab_size: int | None = None,

@@ -246,7 +246,10 @@ class Flow:
         )  # fmt: skip
         rid = self.id if self.index == 0 else f"{self.id}-{self.index}"
         return serving_pb2.GenerateRequest(
-            request_id=rid, prompt_token_ids=req.prompt_ids, sampling=sampling
+            request_id=rid,
+            prompt_token_ids=req.prompt_ids,
+            sampling=sampling,
+            cache_salt=req.cache_salt,
         )
 
     async def _prefill(
@@ -260,7 +263,7 @@ class Flow:
         start = self.decision.kv_start_token  # decode holds these: only the rest ships
         request = serving_pb2.PrefillRequest(
             request_id=self.id, token_ids=gen.prompt_token_ids, sampling=gen.sampling,
-            codec=self.req.kv_codec, kv_start_token=start,
+            codec=self.req.kv_codec, kv_start_token=start, cache_salt=gen.cache_salt,
         )  # fmt: skip
         p.in_flight += 1
         sent = time.perf_counter()

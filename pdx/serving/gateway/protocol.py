@@ -21,6 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from pdx.kv.codecs import is_codec_name, valid_codec_names
 from pdx.serving.backends.sampling import GREEDY_BELOW
 from pdx.serving.backends.tokenizer import Tokenizer
+from pdx.serving.offload_config import OffloadChoice
 
 M = TypeVar("M", bound=BaseModel)
 
@@ -148,9 +149,11 @@ class SamplingFields(BaseModel):
         None, description="force a path (default auto)"
     )
     pdx_kv_codec: str | None = Field(None, description="KV codec for this request")
-    cache_salt: str | None = Field(None, min_length=1, max_length=256, description="(vLLM) "
-        "prefix-cache salt: requests with different salts share no cached KV (pdx's own engine "
-        "keeps no prefix cache)")  # fmt: skip
+    pdx_offload: OffloadChoice | None = Field(
+        None, description="this request's offload policy and threshold (default router.offload)"
+    )
+    cache_salt: str | None = Field(None, min_length=1, max_length=256, description="prefix-cache "
+        "salt: requests with different salts share no cached KV")  # fmt: skip
     # Accepted, no effect on the output (see IGNORED_FIELDS).
     metadata: dict[str, str] | None = None
     store: bool | None = None
@@ -503,8 +506,9 @@ def _problem(exc: ValidationError) -> HTTPProblem:
         return bad_request(fp.param, f"{fp.why + ': ' if fp.why else ''}{fp}", code)
     loc = [str(part) for part in first["loc"]]
     top = loc[0] if loc else "body"
-    if first["type"] == "extra_forbidden":
-        return bad_request(top, f"Unrecognized request argument supplied: {top}",
+    if first["type"] == "extra_forbidden":  # a nested one by its path (pdx_offload.threshold)
+        name = ".".join(loc) or top
+        return bad_request(name, f"Unrecognized request argument supplied: {name}",
                            "unknown_parameter")  # fmt: skip
     if top in UNSUPPORTED and first["type"] != "missing":
         return bad_request(top, f"{top}: {UNSUPPORTED[top]} (got {first['input']!r:.60})",
@@ -575,7 +579,8 @@ class CompletionRequest:
     include_usage: bool = False
     continuous_usage: bool = False
     prompt_text: str = ""  # for echo
-    cache_salt: str = ""  # passed to vLLM engines; "" = none
+    cache_salt: str = ""  # mixed into the prefix caches' block hashes; "" = none
+    offload: OffloadChoice | None = None  # pdx_offload: this request's policy / threshold
     tokens_as_ids: bool = False  # logprobs name tokens "token_id:N"
 
 
@@ -676,6 +681,7 @@ def resolve(
         continuous_usage=bool(opts and opts.continuous_usage_stats),
         prompt_text=prompt_text,
         cache_salt=body.cache_salt or "",
+        offload=body.pdx_offload,
         tokens_as_ids=bool(body.return_tokens_as_token_ids),
     )
 
