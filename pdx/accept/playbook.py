@@ -392,7 +392,9 @@ class Prediction(BaseModel):
     )
 
 
-SearchParam = Literal["rate", "concurrency", "rtt_ms", "loss", "bandwidth_mbps"]
+SearchParam = Literal[
+    "rate", "concurrency", "rtt_ms", "loss", "bandwidth_mbps", "router.offload.threshold_tokens"
+]
 
 
 class Search(BaseModel):
@@ -541,6 +543,8 @@ class Playbook(BaseModel):
             )
         if self.baseline == "colocated" and self.target.deploy is None:
             raise ValueError("baseline: colocated needs target.deploy (pdx's gateway routes it)")
+        if self.search.param == "router.offload.threshold_tokens" and self.baseline != "none":
+            raise ValueError("search.param router.offload.threshold_tokens: baseline none only")
         if self.search.param and self.matrix.offload:
             raise ValueError("search and matrix.offload: search under one policy at a time")
         if self.baseline == "colocated" and self.matrix.offload:

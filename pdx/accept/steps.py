@@ -31,6 +31,7 @@ class Step:
     # matrix cell the step is one policy's run of (steps of one cell are compared)
     offload: str | None = None
     cell: int | None = None
+    threshold_tokens: int | None = None  # --search router.offload.threshold_tokens: the probe's
 
     @property
     def id(self) -> str:
@@ -38,6 +39,7 @@ class Step:
         trace step: ``s03-chat-r2.5-normal``; under matrix.offload ``…-normal-uncached``)."""
         load = f"c{self.concurrency}" if self.concurrency is not None else f"r{self.rate_rps:g}"
         tail = f"-{self.offload}" if self.offload else ""
+        tail += f"-t{self.threshold_tokens}" if self.threshold_tokens is not None else ""
         if self.workload is not None:
             return (
                 f"s{self.index:02d}-{self.workload}-r{self.rate_rps or 0:.3g}-{self.network}{tail}"

@@ -34,8 +34,9 @@ def accept(
     search: str | None = typer.Option(
         None,
         "--search",
-        help="find the limit of rate, concurrency, rtt_ms, loss or bandwidth_mbps: the bracket "
-        "from the last GO to the first NO-GO; sets search.param",
+        help="find the limit of rate, concurrency, rtt_ms, loss or bandwidth_mbps (the bracket "
+        "from the last GO to the first NO-GO), or the router.offload.threshold_tokens with the "
+        "best goodput at the least egress; sets search.param",
     ),
     search_range: str | None = typer.Option(
         None, "--search-range", metavar="LO:HI", help="the range searched (search.range)"
@@ -102,8 +103,9 @@ def _search(pb: Any, playbook: Path, out: Path, *, as_json: bool, no_progress: b
     """``--search PARAM``: probes until the bracket is narrow; the report holds every one."""
     import asyncio
 
-    from pdx.accept.search.limit import limit_text
+    from pdx.accept.search.limit import THRESHOLD, limit_text
     from pdx.accept.search.run import SearchRun
+    from pdx.accept.search.threshold import ThresholdSearch
 
     def on_probe(p: Any, ctx: dict[str, Any]) -> None:
         if no_progress:
@@ -119,7 +121,8 @@ def _search(pb: Any, playbook: Path, out: Path, *, as_json: bool, no_progress: b
             highlight=False,
         )
 
-    run = SearchRun(pb, playbook, out, on_probe, None if no_progress else stage_line)
+    kind = ThresholdSearch if pb.search.param == THRESHOLD else SearchRun
+    run = kind(pb, playbook, out, on_probe, None if no_progress else stage_line)
     try:
         asyncio.run(run.execute())
     except (KeyboardInterrupt, asyncio.CancelledError):

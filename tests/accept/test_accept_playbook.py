@@ -8,13 +8,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from pdx.accept.playbook import (
-    Condition,
-    NetnsTarget,
-    expand_steps,
-    load_playbook,
-    step_criteria,
-)
+from pdx.accept.playbook import Condition, NetnsTarget, load_playbook
+from pdx.accept.steps import expand_steps, step_criteria
 from pdx.accept.target.netns import Topology
 from pdx.accept.target.proxy import condition_toxics, counters, proxy_acts
 from pdx.cli.main import app
@@ -66,6 +61,31 @@ def test_set_overrides_by_dotted_path() -> None:
     fault = next(s for s in expand_steps(pb) if s.network == "link-break")
     assert step_criteria(pb, fault).degrade_rate_max is None  # condition override
     assert step_criteria(pb, fault).ttft_p99_ms == 0.001  # global value kept
+
+
+def test_offload_policies_run_each_cell_in_alternating_order() -> None:
+    sets = ["matrix.concurrency=[1,3]", "matrix.network=[normal]",
+            "matrix.offload=[uncached,length]", "matrix.offload_rounds=2"]  # fmt: skip
+    steps = expand_steps(load_playbook(PLAYBOOKS / "smoke.yaml", dotted=sets))
+    assert [(s.cell, s.offload) for s in steps] == [
+        (0, "uncached"), (0, "length"), (0, "length"), (0, "uncached"),
+        (1, "uncached"), (1, "length"), (1, "length"), (1, "uncached"),
+    ]  # fmt: skip
+    assert [s.index for s in steps] == list(range(8))
+    assert steps[1].id == "s01-in48-out8-c1-normal-length"
+    trace = expand_steps(load_playbook(PLAYBOOKS / "trace-replay.yaml",
+                                       dotted=["matrix.offload=[length,break_even]"]))  # fmt: skip
+    assert [s.id.rsplit("-", 1)[1] for s in trace] == ["length", "break_even"]
+    for bad, says in ((["matrix.offload=[uncached,uncached]"], "each policy once"),
+                      (["matrix.offload=[uncached,cheapest]"], "matrix.offload[1]"),
+                      (["matrix.offload=[uncached]"], "matrix.offload"),
+                      (["matrix.offload=[uncached,length]", "baseline=colocated"],
+                       "compare one at a time"),
+                      (["matrix.offload=[uncached,length]", "search.param=rate"],
+                       "one policy at a time")):  # fmt: skip
+        with pytest.raises(ConfigError) as err:
+            load_playbook(PLAYBOOKS / "smoke.yaml", dotted=bad)
+        assert says in str(err.value), (bad, str(err.value))
 
 
 BAD = {

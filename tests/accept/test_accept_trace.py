@@ -105,3 +105,47 @@ def test_offload_policies_side_by_side_on_the_same_window(tmp_path: Path) -> Non
     report_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
     md = (report_dir / "report.md").read_text()
     assert "## Offload policies" in md and versus["line"] in md
+
+
+def test_threshold_search_finds_the_least_egress_at_the_best_goodput(tmp_path: Path) -> None:
+    """--search router.offload.threshold_tokens on the trace: a ladder of thresholds, each a
+    judged probe on one deployment; the pick is GO, ships the fewest bytes of those the sample
+    cannot tell from the best goodput, and comes with llm-d's and Dynamo's settings."""
+    args = ["accept", str(PLAYBOOK), "--out", str(tmp_path), "--no-progress", "--json",
+            "--search", "router.offload.threshold_tokens", "--search-range", "8:32",
+            "--set", "load.workload.max_requests=48", "--set", "validity.min_requests=30",
+            "--set", "matrix.duration_s=6", "--set", "validity.min_duration_s=3",
+            "--set", "search.fresh_deploy=false", "--set", "preflight.measure_kv=false",
+            "--set", "judgement.replay_requests=0", "--set", "judgement.zero_rate_bound=0.2",
+            "--set", "search.max_extensions=0"]  # fmt: skip
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code in (0, 1, 3), result.output
+    data = json.loads(result.stdout)
+    (search,) = data["search"]
+    assert search["param"] == "router.offload.threshold_tokens" and search["policy"] == "uncached"
+    points = search["points"]
+    assert [p["value"] for p in points] == [8, 16, 32]  # the ladder, LO doubling up to HI
+    assert [s["id"].rsplit("-", 1)[1] for s in data["steps"]][:3] == ["t8", "t16", "t32"]
+    # a higher threshold never offloads more, nor ships more
+    shares = [p["offloaded_share"] for p in points]
+    assert shares == sorted(shares, reverse=True) and shares[0] == 1.0
+    assert [p["kv_bytes"] for p in points] == sorted((p["kv_bytes"] for p in points),
+                                                     reverse=True)  # fmt: skip
+    best = max(points, key=lambda p: p["goodput_rps"]["value"])
+    for v in search["indistinguishable"]:
+        p = next(p for p in points if p["value"] == v)
+        assert p["goodput_rps"]["interval"][1] >= best["goodput_rps"]["interval"][0]
+    if search["outcome"] == "found":
+        pick = next(p for p in points if p["value"] == search["limit"])
+        same = [p for p in points if p["value"] in search["indistinguishable"]
+                and p["verdict"] == "GO"]  # fmt: skip
+        assert pick["verdict"] == "GO" and pick["kv_bytes"] == min(p["kv_bytes"] for p in same)
+        lo, hi = search["bracket"]
+        assert lo <= search["limit"] <= hi and search["confirmed"]
+        s = search["settings"]
+        assert f"nonCachedTokens: {search['limit']}" in s["llm-d"]
+        assert f'"eff_isl_threshold": {search["limit"]}' in s["dynamo"]
+        assert f"threshold_tokens: {search['limit']}" in s["pdx"]
+        assert result.exit_code == 0
+    else:  # the sample decided otherwise: the report says why, and the exit code follows
+        assert search["outcome"] in ("no_go", "disputed") and result.exit_code in (1, 3)

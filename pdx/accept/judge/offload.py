@@ -31,9 +31,12 @@ QUANTILES = (("ttft_p50_ms", "ttft_ms", 0.5), ("ttft_p90_ms", "ttft_ms", 0.9),
 
 def step_body(extra_body: dict[str, Any], step: Step) -> dict[str, Any]:
     """The request fields of a step's load: the playbook's, plus the step's policy."""
-    if step.offload is None:
-        return extra_body
-    return {**extra_body, "pdx_offload": {"policy": step.offload}}
+    choice: dict[str, Any] = {}
+    if step.offload is not None:
+        choice["policy"] = step.offload
+    if step.threshold_tokens is not None:
+        choice["threshold_tokens"] = step.threshold_tokens
+    return {**extra_body, "pdx_offload": choice} if choice else extra_body
 
 
 def advisory(pb: Playbook, step: Step) -> bool:

@@ -30,6 +30,7 @@ from typing import Any, Literal
 from pdx.accept.playbook import Search
 
 Verdict = Literal["GO", "NO-GO", "INCONCLUSIVE"]
+THRESHOLD = "router.offload.threshold_tokens"  # searched for goodput, not for a limit
 
 DEFAULT_RANGES: dict[str, tuple[float, float]] = {
     "rate": (0.5, 64.0),
@@ -37,9 +38,10 @@ DEFAULT_RANGES: dict[str, tuple[float, float]] = {
     "rtt_ms": (1.0, 200.0),
     "loss": (0.0001, 0.05),
     "bandwidth_mbps": (10.0, 10_000.0),
+    THRESHOLD: (8.0, 8192.0),
 }
 UNITS = {"rate": "req/s", "concurrency": "users", "rtt_ms": "ms", "loss": "fraction",
-         "bandwidth_mbps": "Mbit/s"}  # fmt: skip
+         "bandwidth_mbps": "Mbit/s", THRESHOLD: "tokens"}  # fmt: skip
 RELATIVE_RESOLUTION = 0.1
 MAX_PROBES = 24  # a search never runs more probes than this, whatever its budget
 GROWTH = 1.25  # the first widening step past the last GO; squared at each further one
@@ -314,6 +316,10 @@ def search_exit_code(results: list[dict[str, Any]]) -> int:
 
 def limit_text(r: dict[str, Any]) -> str:
     """``capacity 23.4 req/s, bracket [23.4, 25] (found, 7 probes)`` for one search."""
+    if r["param"] == THRESHOLD:
+        from pdx.accept.search.threshold import threshold_text
+
+        return threshold_text(r)
     unit = "" if r["unit"] == "fraction" else f" {r['unit']}"
     good, bad = r["bracket"]
 
