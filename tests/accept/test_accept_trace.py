@@ -112,25 +112,29 @@ def test_threshold_search_finds_the_least_egress_at_the_best_goodput(tmp_path: P
     judged probe on one deployment; the pick is GO, ships the fewest bytes of those the sample
     cannot tell from the best goodput, and comes with llm-d's and Dynamo's settings."""
     args = ["accept", str(PLAYBOOK), "--out", str(tmp_path), "--no-progress", "--json",
-            "--search", "router.offload.threshold_tokens", "--search-range", "8:32",
+            "--search", "router.offload.threshold_tokens", "--search-range", "16:64",
             "--set", "load.workload.max_requests=48", "--set", "validity.min_requests=30",
             "--set", "matrix.duration_s=6", "--set", "validity.min_duration_s=3",
             "--set", "search.fresh_deploy=false", "--set", "preflight.measure_kv=false",
             "--set", "judgement.replay_requests=0", "--set", "judgement.zero_rate_bound=0.2",
-            "--set", "search.max_extensions=0"]  # fmt: skip
+            "--set", "search.max_extensions=0",
+            # judged on TTFT and errors alone: 48 requests cannot show the rate criteria
+            *[a for c in ("transfer_success_min", "retry_rate_max", "degrade_rate_max",
+                          "silent_fallback_max", "output_mismatch_max")
+              for a in ("--set", f"criteria.{c}=null")]]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code in (0, 1, 3), result.output
     data = json.loads(result.stdout)
     (search,) = data["search"]
     assert search["param"] == "router.offload.threshold_tokens" and search["policy"] == "uncached"
     points = search["points"]
-    assert [p["value"] for p in points] == [8, 16, 32]  # the ladder, LO doubling up to HI
-    assert [s["id"].rsplit("-", 1)[1] for s in data["steps"]][:3] == ["t8", "t16", "t32"]
-    # a higher threshold never offloads more, nor ships more
+    assert [p["value"] for p in points] == [16, 32, 64]  # the ladder, LO doubling up to HI
+    assert [s["id"].rsplit("-", 1)[1] for s in data["steps"]][:3] == ["t16", "t32", "t64"]
+    # the window's uncached parts are 32 tokens but one of 63: at 64 prompts stay local (but
+    # one whose session's previous turn decode had not cached yet when it was routed)
     shares = [p["offloaded_share"] for p in points]
-    assert shares == sorted(shares, reverse=True) and shares[0] == 1.0
-    assert [p["kv_bytes"] for p in points] == sorted((p["kv_bytes"] for p in points),
-                                                     reverse=True)  # fmt: skip
+    assert shares[:2] == [1.0, 1.0] and shares[2] < 0.1
+    assert points[2]["kv_bytes"] < points[1]["kv_bytes"] / 10
     best = max(points, key=lambda p: p["goodput_rps"]["value"])
     for v in search["indistinguishable"]:
         p = next(p for p in points if p["value"] == v)

@@ -614,9 +614,16 @@ def extra_sections(report: Report) -> list[Section]:
              ", ".join(p["failed"] or p["undecided"]) or "–", p["step"]]
             for p in s["probes"]
         ]  # fmt: skip
+        headers = SEARCH_HEADERS
+        if s.get("kind") == "threshold":  # its points: what each threshold paid and shipped
+            headers = [*SEARCH_HEADERS[:3], "goodput (req/s)", "KV bytes", "offloaded", "step"]
+            rows = [[str(p["value"]), p["verdict"], str(p["requests"]),
+                     _with_interval(p["goodput_rps"], ""), f"{p['kv_bytes']:,}",
+                     f"{100 * (p['offloaded_share'] or 0):.0f} %", p["step"]]
+                    for p in s["points"]]  # fmt: skip
         title = f"Search: {s['param']} under {s['condition']}"
         out.append((title + (f" ({s['route']})" if s.get("route") else ""), lines,
-                    SEARCH_HEADERS, rows))  # fmt: skip
+                    headers, rows))  # fmt: skip
     if report.baseline:
         b = report.baseline
         rows = [
