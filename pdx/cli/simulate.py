@@ -254,6 +254,12 @@ def simulate_cmd(
     local_prefill_max_tokens: int | None = typer.Option(
         None, help="Prefill prompts up to this on decode."
     ),
+    offload_policy: str | None = typer.Option(
+        None,
+        "--offload-policy",
+        help="length (whole prompt decides and ships) or uncached (the part decode's cache "
+        "lacks decides and ships); unset: length decides, only what decode lacks ships.",
+    ),
     max_decode_batch: int | None = typer.Option(None, help="Requests per decode batch."),
     decode_kv_budget_bytes: float | None = typer.Option(None, help="KV bytes per decode instance."),
     chunked_prefill_tokens: int | None = typer.Option(None, help="Colocated chunked prefill size."),
@@ -352,6 +358,7 @@ _CONFIG_FLAGS = (
     "decode_instances",
     "colocated_instances",
     "local_prefill_max_tokens",
+    "offload_policy",
     "max_decode_batch",
     "decode_kv_budget_bytes",
     "chunked_prefill_tokens",

@@ -115,6 +115,7 @@ class Engine:
         self.published = cfg.compat == "published"
         self.chunk = cfg.chunked_prefill_tokens if mode == "colocated" else None
         self.local_max = cfg.local_prefill_max_tokens if mode == "disaggregated" else 0
+        self.policy = cfg.offload_policy
         n = len(workload)
         nan = math.nan
         self.tr = EngineTrace(
@@ -234,8 +235,10 @@ class Engine:
 
     def _arrival(self, rid: int, t: float) -> None:
         tr = self.tr
-        prompt = tr.prompt_tokens[rid]
-        if self.mode == "colocated" or prompt <= self.local_max:
+        prompt = measured = tr.prompt_tokens[rid]
+        if self.policy == "uncached" and self.mode == "disaggregated":  # what decode would lack
+            measured -= self.caches.hit(self.caches.decode, self._least_loaded().idx, rid, prompt)
+        if self.mode == "colocated" or measured <= self.local_max:
             inst = self._least_loaded()
             self.load[inst.idx] += 1
             if self.mode == "disaggregated":
@@ -310,8 +313,9 @@ class Engine:
         inst = self._least_loaded()
         self.load[inst.idx] += 1
         inst.inflight += 1
-        # only what the decode instance lacks crosses the link
+        # only what the decode instance lacks crosses the link (the length policy: all of it)
         held = self.caches.hit(self.caches.decode, inst.idx, rid, tr.prompt_tokens[rid])
+        held = 0 if self.policy == "length" else held
         self.caches.store(self.caches.decode, inst.idx, rid)
         tr.shipped_tokens[rid] = tr.prompt_tokens[rid] - held
         xfer = self.link.transfer(tr.shipped_tokens[rid])

@@ -105,6 +105,20 @@ def test_offload_policies_side_by_side_on_the_same_window(tmp_path: Path) -> Non
     report_dir = next(p for p in tmp_path.iterdir() if p.is_dir())
     md = (report_dir / "report.md").read_text()
     assert "## Offload policies" in md and versus["line"] in md
+    # the simulator, each policy on the same window with prefix caches, predicts the ratio
+    shipped = {}
+    for policy in ("length", "uncached"):
+        sim = CliRunner().invoke(app, [
+            "simulate", "--workload", str(TRACE), "--format", "mooncake", "--length-scale",
+            "0.03125", "--time-scale", "0.25", "--max-requests", str(WINDOW), "--mode",
+            "disaggregated", "--model-preset", "llama-3.1-8b", "--kv-bytes-per-token", "512",
+            "--local-prefill-max-tokens", "7", "--prefix-cache-blocks", "100000",
+            "--offload-policy", policy, "--json",
+        ])  # fmt: skip
+        assert sim.exit_code == 0, sim.output
+        shipped[policy] = json.loads(sim.stdout)["disaggregated"]["kv_shipped_bytes"]
+    predicted = shipped["length"] / shipped["uncached"]
+    assert predicted == pytest.approx(versus["kv_bytes_ratio"], rel=0.05), predicted
 
 
 def test_threshold_search_finds_the_least_egress_at_the_best_goodput(tmp_path: Path) -> None:

@@ -155,6 +155,7 @@ def undecided_steps(
     """
     lines = []
     summaries = {step.id: (step, summary) for step, summary in steps}
+    results = [c for c in results if not c.advisory]  # what does not decide needs no sample
     for step_id in dict.fromkeys(c.step for c in results if c.result == "indeterminate"):
         step, summary = summaries.get(step_id, (None, {}))
         elapsed = float(summary.get("elapsed_s") or 0.0)

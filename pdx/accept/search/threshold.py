@@ -30,6 +30,9 @@ from pdx.accept.search.run import SearchRun
 from pdx.accept.steps import Step, step_criteria
 from pdx.units import human_bytes
 
+#: Criteria that judge the KV path: a probe that sent few requests across cannot show them.
+KV_PATH = ("transfer_success_min", "retry_rate_max", "silent_fallback_max", "output_mismatch_max",
+           "kv_stranded_max_s", "transfer_p50_ms", "transfer_p99_ms")  # fmt: skip
 EXIT = {"found": 0, "no_go": 1, "disputed": 3, "budget_exhausted": 3, "no_data": 3}
 
 
@@ -47,6 +50,12 @@ def ladder(lo: float, hi: float, longest: int) -> list[int]:
 
 class ThresholdSearch(SearchRun):
     """A search of the offload threshold for goodput (and, at equal goodput, the least egress)."""
+
+    _unshown: dict[str, list[str]]
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._unshown = {}
+        super().__init__(*args, **kwargs)
 
     def _step(self, value: float, net: str, tpl: Step, duration: float, dry: bool = False) -> Step:
         index = self._index
@@ -77,6 +86,16 @@ class ThresholdSearch(SearchRun):
                 confirmed = confirmed and again.verdict == "GO"
         return self._result(net, tpl, points, probes, answer, confirmed, budget_left)
 
+    def _judge_probe(self, value: float, o: StepOutcome, attempt: int, wall: float) -> Probe:
+        """As any probe, except that a criterion of the KV path left undecided does not hold a
+        threshold back: a high threshold sends few requests (or none) across, so no sample
+        there can show those rates; the point lists them (``kv_path_undecided``)."""
+        open_ = ("indeterminate", "not_measured")
+        unshown = [c for c in o.criteria if c.name in KV_PATH and c.result in open_]
+        kept = [c for c in o.criteria if c not in unshown]
+        self._unshown[o.step.id] = sorted({c.name for c in unshown})
+        return super()._judge_probe(value, replace(o, criteria=kept), attempt, wall)
+
     def _point(self, p: Probe, o: StepOutcome) -> dict[str, Any]:
         """A probe's figures: verdict, goodput with its interval, KV bytes, share offloaded."""
         crit, conf = step_criteria(self.pb, o.step), self.pb.judgement.confidence
@@ -91,6 +110,7 @@ class ThresholdSearch(SearchRun):
             "goodput_rps": figures["goodput_rps"],
             "kv_bytes": sum(shipped),
             "offloaded_share": round(len(shipped) / len(o.records), 4) if o.records else None,
+            "kv_path_undecided": self._unshown.get(o.step.id, []),
         }
 
     def _result(
