@@ -179,6 +179,10 @@ def probe_link(
     rtt_share: float = typer.Option(0.20, "--rtt-share", help="Max RTT p99/TTFT budget."),
     max_loss_pct: float = typer.Option(0.1, "--max-loss-pct", help="Max loss, percent."),
     chunk_share: float = typer.Option(0.15, "--chunk-share", help="Max chunk p99/TTFT budget."),
+    jitter_share: float = typer.Option(
+        0.5, "--jitter-share", help="Max jitter / RTT p50 (at least 1 ms)."
+    ),
+    min_mtu: int = typer.Option(1280, "--min-mtu", help="Least path MTU, bytes."),
     connect_timeout: float = typer.Option(5.0, "--connect-timeout", help="Seconds to connect."),
 ) -> None:
     """Measure bandwidth, RTT, loss, jitter, MTU and KV chunk times and judge the link.
@@ -201,6 +205,8 @@ def probe_link(
     for name, share in (("--bandwidth-share", bandwidth_share), ("--rtt-share", rtt_share)):
         _check_range(name, share, 0.001, 1.0)
     _check_range("--chunk-share", chunk_share, 0.001, 1.0)
+    _check_range("--jitter-share", jitter_share, 0.001, 10.0)
+    _check_range("--min-mtu", min_mtu, 68, 65535)
     _check_range("--max-loss-pct", max_loss_pct, 0, 100)
     if max_duration is not None:
         _check_range("--max-duration", max_duration, 0.1, 3600)
@@ -235,6 +241,8 @@ def probe_link(
             rtt_share=rtt_share,
             max_loss_pct=max_loss_pct,
             chunk_share=chunk_share,
+            jitter_share=jitter_share,
+            min_mtu=min_mtu,
             kv_direction=kv_direction,
         ),
         kv_source=kv_source,

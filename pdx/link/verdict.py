@@ -1,7 +1,10 @@
 """GO / NO-GO / INCONCLUSIVE: can this link carry the KV load within the TTFT budget?
 
 Rules (thresholds configurable): KV demand <= 70 % of measured available bandwidth;
-RTT p99 <= 20 % of the TTFT budget; loss <= 0.1 %; chunk p99 <= 15 % of the TTFT budget.
+RTT p99 <= 20 % of the TTFT budget; loss <= 0.1 %; chunk p99 <= 15 % of the TTFT budget;
+jitter (RFC 3550, under load when measured there) <= 50 % of the RTT p50 (at least 1 ms: a
+quiet path's microseconds are no risk); path MTU >= 1,280 B (below it IPv6 cannot run and every
+full segment is over 4 % headers).
 Each rule reports measured value, threshold, margin (threshold - measured, so positive
 is headroom) and pass / fail / indeterminate / skip. Rules whose inputs were not given are
 skipped, and say why. Loss is judged on its Clopper-Pearson bounds at ``confidence``: pass
@@ -41,6 +44,9 @@ class VerdictRules:
     rtt_share: float = 0.20
     max_loss_pct: float = 0.1
     chunk_share: float = 0.15
+    jitter_share: float = 0.5  # of the RTT p50
+    jitter_floor_ms: float = 1.0
+    min_mtu: int = 1280
     kv_direction: str = "up"  # up: probe-link's host sends the KV; down: the server's; both
     confidence: float = 0.95
 
@@ -136,6 +142,8 @@ def judge(report: dict[str, Any], rules: VerdictRules) -> Verdict:
         _rtt_rule(report, rules),
         _loss_rule(report, rules),
         _chunk_rule(report, rules),
+        _jitter_rule(report, rules),
+        _mtu_rule(report, rules),
     ]
     judged = [r.name for r in all_rules if r.status != "skip"]
     failed = [r.name for r in all_rules if r.status == "fail"]
@@ -183,6 +191,34 @@ def _rtt_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:
     threshold = rules.rtt_share * rules.ttft_budget_ms
     detail = f"idle RTT p99 vs {rules.rtt_share:.0%} of the {rules.ttft_budget_ms:g} ms budget"
     return _judge(name, rtt, threshold, unit, detail, lower_is_better=True)
+
+
+def _jitter_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:
+    """Interarrival jitter against a share of the RTT: a path whose delay swings by half its
+    RTT makes every transfer's tail (and its derived deadline) a coin toss."""
+    name, unit = "jitter", "ms"
+    jitter = report.get("jitter_ms") or {}
+    loaded = jitter.get("rfc3550_under_load")
+    measured = loaded if loaded is not None else jitter.get("rfc3550")
+    rtt = (report.get("rtt_ms") or {}).get("p50")
+    if measured is None or rtt is None:
+        return _skip(name, unit, "jitter or the RTT was not measured")
+    threshold = max(rules.jitter_share * rtt, rules.jitter_floor_ms)
+    where = "under load" if loaded is not None else "idle"
+    detail = (
+        f"RFC 3550 jitter ({where}) vs {rules.jitter_share:.0%} of the RTT p50 {rtt:.3g} ms "
+        f"(at least {rules.jitter_floor_ms:g} ms)"
+    )
+    return _judge(name, measured, threshold, unit, detail, lower_is_better=True)
+
+
+def _mtu_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:
+    name, unit = "mtu", "B"
+    mtu = report.get("mtu")
+    if mtu is None:
+        return _skip(name, unit, "the path MTU was not measured (--phases mtu)")
+    detail = f"path MTU vs {rules.min_mtu} B (IPv6's minimum; headers 52 B per segment)"
+    return _judge(name, float(mtu), float(rules.min_mtu), unit, detail, lower_is_better=False)
 
 
 def _loss_rule(report: dict[str, Any], rules: VerdictRules) -> Rule:

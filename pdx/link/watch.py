@@ -396,6 +396,12 @@ class LinkWatch:
             report["rtt_ms"] = {q: percentile(rtts, p) for q, p in (("p50", 50), ("p99", 99))}
         if self.last_goodput_gbps is not None:
             report["throughput"][f"{self.opts.direction}_gbps"] = self.last_goodput_gbps
+        jitters = [w.jitter_ms for w in self.history if w.jitter_ms is not None]
+        if jitters:  # the jitter and MTU rules: the worst window of the judged span
+            report["jitter_ms"] = {"rfc3550": max(jitters)}
+        mtus = [w.mtu for w in self.history if w.mtu is not None]
+        if mtus:
+            report["mtu"] = min(mtus)
         return report
 
     def judgement(self) -> dict[str, Any]:

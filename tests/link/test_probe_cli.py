@@ -114,8 +114,18 @@ def test_go_exits_0_with_the_documented_json(probe_server: ProbeServer) -> None:
     assert isinstance(report["mtu"], int)
     assert set(report["chunks"][0]) >= {"chunk_bytes", "gbps", "p50_ms", "p99_ms"}
     assert report["verdict"]["go"] is True and report["verdict"]["result"] == "GO"
-    assert [r["status"] for r in report["verdict"]["rules"]] == ["pass"] * 4
-    assert report["verdict"]["judged"] == ["kv_bandwidth", "rtt", "loss", "chunk_p99"]
+    assert [r["status"] for r in report["verdict"]["rules"]] == ["pass"] * 6
+    rules = {r["name"]: r for r in report["verdict"]["rules"]}
+    assert rules["mtu"]["measured"] == report["mtu"] and rules["mtu"]["threshold"] == 1280
+    assert rules["jitter"]["threshold"] >= 1.0  # loopback: the 1 ms floor, not half its RTT
+    assert report["verdict"]["judged"] == [
+        "kv_bandwidth",
+        "rtt",
+        "loss",
+        "chunk_p99",
+        "jitter",
+        "mtu",
+    ]
     # what to set for vLLM's NIXL on this link: the interface toward the peer (loopback
     # here), no buffer caps (a loopback BDP is under the kernel's defaults), and slow start
     # after idle off on a short clean path (BBR instead where the probe saw any loss)
