@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from pdx.accept.playbook import Search
+from pdx.units import human_bytes
 
 Verdict = Literal["GO", "NO-GO", "INCONCLUSIVE"]
 THRESHOLD = "router.offload.threshold_tokens"  # searched for goodput, not for a limit
@@ -317,8 +318,6 @@ def search_exit_code(results: list[dict[str, Any]]) -> int:
 def limit_text(r: dict[str, Any]) -> str:
     """``capacity 23.4 req/s, bracket [23.4, 25] (found, 7 probes)`` for one search."""
     if r["param"] == THRESHOLD:
-        from pdx.accept.search.threshold import threshold_text
-
         return threshold_text(r)
     unit = "" if r["unit"] == "fraction" else f" {r['unit']}"
     good, bad = r["bracket"]
@@ -338,3 +337,36 @@ def limit_text(r: dict[str, Any]) -> str:
     if r.get("extrapolation"):
         text += f" (extrapolated {r['extrapolation']['limit']:g}{unit}, a prediction)"
     return f"{r['param']} under {r['condition']}: {text} ({r['steps_run']} probes)"
+
+
+def threshold_text(r: dict[str, Any]) -> str:
+    """A threshold search's answer (pdx.accept.search.threshold), then each setting to paste,
+    a line each."""
+    by_value = {p["value"]: p for p in r.get("points", [])}
+    head = f"{r['param']} under {r['condition']}"
+    if r["policy"]:
+        head += f" (policy {r['policy']})"
+    pick = r["limit"]
+    if pick is None or pick not in by_value:
+        why = {"no_go": "no threshold the sample cannot tell from the best goodput was GO",
+               "disputed": "the pick was not GO again on confirmation",
+               "no_data": "no probe finished"}.get(r["outcome"], r["outcome"])  # fmt: skip
+        return f"{head}: none found: {why} ({r['steps_run']} probes)"
+    p, best = by_value[pick], by_value.get(r["best"], by_value[pick])
+    lo, hi = r["bracket"]
+    how = f"{r['steps_run']} probes" + ("" if r["outcome"] == "found" else f", {r['outcome']}")
+    text = (f"{head}: {pick} tokens, bracket [{lo}, {hi}]: goodput {_rps(p)} req/s, KV "
+            f"{human_bytes(p['kv_bytes'])}, offloaded {100 * (p['offloaded_share'] or 0):.0f} %; "
+            f"best goodput {_rps(best)} at {best['value']}; the bracket's thresholds are "
+            f"the best's within the sample, this one ships the least ({how})")  # fmt: skip
+    for name, line in (r.get("settings") or {}).items():
+        text += f"\n  {name}: {line}"
+    return text
+
+
+def _rps(p: dict[str, Any]) -> str:
+    g = p["goodput_rps"]
+    iv = g.get("interval") or [None, None]
+    if None in iv:
+        return f"{g['value']:g}"
+    return f"{g['value']:g} [{iv[0]:g}, {iv[1]:g}]"

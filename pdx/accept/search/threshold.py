@@ -28,7 +28,6 @@ from pdx.accept.run import StepOutcome
 from pdx.accept.search.limit import THRESHOLD, Probe
 from pdx.accept.search.run import SearchRun
 from pdx.accept.steps import Step, step_criteria
-from pdx.units import human_bytes
 
 #: Criteria that judge the KV path: a probe that sent few requests across cannot show them.
 KV_PATH = ("transfer_success_min", "retry_rate_max", "silent_fallback_max", "output_mismatch_max",
@@ -217,35 +216,3 @@ def settings(value: int | None, policy: str | None) -> dict[str, Any] | None:
         out["why_not_others"] = (f"llm-d and Dynamo decide on the uncached length; this search "
                                  f"ran pdx's {policy} policy")  # fmt: skip
     return out
-
-
-def threshold_text(r: dict[str, Any]) -> str:
-    """The search's answer, then each setting to paste on its own line."""
-    by_value = {p["value"]: p for p in r.get("points", [])}
-    head = f"{r['param']} under {r['condition']}"
-    if r["policy"]:
-        head += f" (policy {r['policy']})"
-    pick = r["limit"]
-    if pick is None or pick not in by_value:
-        why = {"no_go": "no threshold the sample cannot tell from the best goodput was GO",
-               "disputed": "the pick was not GO again on confirmation",
-               "no_data": "no probe finished"}.get(r["outcome"], r["outcome"])  # fmt: skip
-        return f"{head}: none found: {why} ({r['steps_run']} probes)"
-    p, best = by_value[pick], by_value.get(r["best"], by_value[pick])
-    lo, hi = r["bracket"]
-    how = f"{r['steps_run']} probes" + ("" if r["outcome"] == "found" else f", {r['outcome']}")
-    text = (f"{head}: {pick} tokens, bracket [{lo}, {hi}]: goodput {_rps(p)} req/s, KV "
-            f"{human_bytes(p['kv_bytes'])}, offloaded {100 * (p['offloaded_share'] or 0):.0f} %; "
-            f"best goodput {_rps(best)} at {best['value']}; the bracket's thresholds are "
-            f"the best's within the sample, this one ships the least ({how})")  # fmt: skip
-    for name, line in (r.get("settings") or {}).items():
-        text += f"\n  {name}: {line}"
-    return text
-
-
-def _rps(p: dict[str, Any]) -> str:
-    g = p["goodput_rps"]
-    iv = g.get("interval") or [None, None]
-    if None in iv:
-        return f"{g['value']:g}"
-    return f"{g['value']:g} [{iv[0]:g}, {iv[1]:g}]"
