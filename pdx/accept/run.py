@@ -675,7 +675,8 @@ class AcceptRun:
         }
         if self.baseline_rows:
             extra["baseline"] = baseline_summary(self.baseline_rows)
-        extra["offload"] = compare_policies(self.pb, self.outcomes)
+        extra["offload"] = compare_policies(self.pb, self.outcomes, self.playbook_dir,
+                                            self.preflight)  # fmt: skip
         return extra
 
     def _predict(self) -> tuple[dict[str, Any], dict[str, Any] | None]:

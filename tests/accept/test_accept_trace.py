@@ -70,7 +70,7 @@ def test_offload_policies_side_by_side_on_the_same_window(tmp_path: Path) -> Non
     args = ["accept", str(PLAYBOOK), "--out", str(tmp_path), "--no-progress", "--json",
             "--set", f"load.workload.max_requests={WINDOW}", "--set", "validity.min_requests=50",
             "--set", "matrix.duration_s=12", "--set", "validity.min_duration_s=5",
-            "--set", "matrix.offload=[length,uncached]", "--set", "preflight.measure_kv=false",
+            "--set", "matrix.offload=[length,uncached]",
             "--set", "judgement.replay_requests=0"]  # fmt: skip
     result = CliRunner().invoke(app, args)
     assert result.exit_code in (0, 1, 3), result.output
@@ -100,6 +100,8 @@ def test_offload_policies_side_by_side_on_the_same_window(tmp_path: Path) -> Non
     assert versus["verdict"] in ("pays", "costs", "mixed", "no difference shown")
     for side in sides.values():
         assert side["goodput_rps"]["interval"] is not None and side["requests"] == WINDOW
+        # the simulator on the same window, each policy with prefix caches: the bytes it ships
+        assert side["predicted_kv_bytes"] == pytest.approx(side["kv_bytes"], rel=0.05)
         lo, hi = side["ttft_p90_ms"]["interval"]
         assert lo <= side["ttft_p90_ms"]["value"] <= hi
     report_dir = next(p for p in tmp_path.iterdir() if p.is_dir())

@@ -504,7 +504,7 @@ def _with_interval(d: dict[str, Any], unit: str = " ms") -> str:
 
 
 OFFLOAD_HEADERS = ["cell", "policy", "requests", "goodput (req/s)", "TTFT p50", "TTFT p90",
-                   "TTFT p99", "TPOT p50", "KV bytes", "KV Gbps", "offloaded",
+                   "TTFT p99", "TPOT p50", "KV bytes", "predicted (sim)", "KV Gbps", "offloaded",
                    "decode prefill s"]  # fmt: skip
 
 
@@ -514,7 +514,9 @@ def offload_section(o: dict[str, Any]) -> Section:
         [c["cell"], name, str(p["requests"]), _with_interval(p["goodput_rps"], ""),
          _with_interval(p["ttft_p50_ms"]), _with_interval(p["ttft_p90_ms"]),
          _with_interval(p["ttft_p99_ms"]), _with_interval(p["tpot_p50_ms"]),
-         f"{p['kv_bytes']:,}", f"{p['kv_gbps']:.3g}",
+         f"{p['kv_bytes']:,}",
+         "–" if p.get("predicted_kv_bytes") is None else f"{p['predicted_kv_bytes']:,.0f}",
+         f"{p['kv_gbps']:.3g}",
          "–" if p["offloaded_share"] is None else f"{100 * p['offloaded_share']:.0f} %",
          f"{p['decode_prefill_ms'] / 1e3:.3g}"]
         for c in o["cells"] for name, p in c["policies"].items()
