@@ -118,15 +118,18 @@ def _bytes_predictor(
     pb: Playbook, playbook_dir: Path | None, preflight: dict[str, Any] | None
 ) -> Callable[[Step, str, int], float | None]:
     """(step, policy, its runs) → the KV bytes ``pdx simulate`` ships on the step's trace window
-    under that policy, with prefix caches that never evict (the deploy's hold the window); None
-    where it cannot say (no trace, no KV per token, a policy it does not model)."""
+    under that policy, with prefix caches that never evict (the deploy's hold the window), KV
+    per token from the pre-flight's measure-kv (else the deployed model sized analytically);
+    None where it cannot say (no trace, a target pdx did not deploy, break_even)."""
     kv = ((preflight or {}).get("measure_kv") or {}).get("result") or {}
     per_token = float(kv.get("kv_bytes_per_token") or 0.0)
     local_max = None
-    if pb.target.deploy is not None and playbook_dir is not None and per_token:
-        from pdx.accept.preflight.kv import deploy_config
+    if pb.target.deploy is not None and playbook_dir is not None:
+        from pdx.accept.preflight.kv import deploy_config, kv_bytes_at
         from pdx.serving.deploy_config import local_prefill_threshold
 
+        if not per_token:  # no measure-kv in the pre-flight: the deployed model, sized as it does
+            per_token = kv_bytes_at(pb, playbook_dir, [1024])[1024] / 1024
         local_max = max(0, local_prefill_threshold(deploy_config(pb.target, playbook_dir)) - 1)
 
     def predict(step: Step, policy: str, runs: int) -> float | None:

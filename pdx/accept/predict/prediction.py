@@ -53,9 +53,12 @@ class DeployFacts:
     codec: str
     congestion_control: str
     engine: str = "pdx"
-    # blocks of prefix cache per instance the engine keeps (vLLM: its KV cache over
-    # block size × bytes per token; pdx's own pair keeps none), for trace steps
+    # blocks of prefix cache per instance the engine keeps (its KV cache, or pdx decode's KV
+    # budget, over block size × bytes per token), for trace steps
     prefix_cache_blocks: int | None = None
+    # pdx's router.offload.policy as the simulator models it (length, uncached; None: a length
+    # rule before vLLM's pull of what decode lacks; break_even is taken as that too)
+    offload_policy: str | None = None
 
 
 def deploy_facts(pb: Playbook, playbook_dir: Path) -> DeployFacts:
@@ -64,9 +67,13 @@ def deploy_facts(pb: Playbook, playbook_dir: Path) -> DeployFacts:
     from pdx.serving.deploy_config import local_prefill_threshold
 
     cfg = deploy_config(pb.target, playbook_dir)
-    blocks = None
+    blocks, policy = None, None
     if cfg.engine == "vllm" and cfg.vllm.kv_cache_bytes:
         blocks = _vllm_cache_blocks(pb, playbook_dir, cfg)
+    elif cfg.engine == "pdx" and cfg.prefix_cache.enabled:
+        blocks = _cache_blocks(pb, playbook_dir, cfg.prefix_cache.block_tokens,
+                               cfg.decode.kv_budget_bytes)  # fmt: skip
+        policy = cfg.router.offload.policy if cfg.router.offload.policy != "break_even" else None
     return DeployFacts(
         prefill_instances=max(1, cfg.prefill.count),
         decode_instances=cfg.decode.count,
@@ -78,19 +85,25 @@ def deploy_facts(pb: Playbook, playbook_dir: Path) -> DeployFacts:
         congestion_control=cfg.kv.congestion_control,
         engine=cfg.engine,
         prefix_cache_blocks=blocks,
+        offload_policy=policy,
     )
 
 
 def _vllm_cache_blocks(pb: Playbook, playbook_dir: Path, cfg: Any) -> int | None:
     """Blocks of prefix cache one vLLM instance keeps: its KV cache over a block's bytes."""
+    block = cfg.vllm.block_size or 16  # vLLM's default on CPU and GPU
+    return _cache_blocks(pb, playbook_dir, block, cfg.vllm.kv_cache_bytes)
+
+
+def _cache_blocks(pb: Playbook, playbook_dir: Path, block: int, budget: int) -> int | None:
+    """Blocks of ``block`` tokens a cache of ``budget`` bytes holds (None: not sizable)."""
     from pdx.accept.preflight.kv import kv_bytes_at
 
-    block = cfg.vllm.block_size or 16  # vLLM's default on CPU and GPU
     try:
         per_block = kv_bytes_at(pb, playbook_dir, [block])[block]
     except Exception:  # the model cannot be sized: no cache modelled
         return None
-    return max(1, int(cfg.vllm.kv_cache_bytes // max(1, per_block)))
+    return max(1, int(budget // max(1, per_block)))
 
 
 def goodput_bps(link: dict[str, Any], streams: int) -> float | None:
@@ -128,6 +141,7 @@ def sim_fields(
         # the router prefills locally below its threshold; the simulator at or below its own
         "local_prefill_max_tokens": max(0, facts.local_prefill_max_tokens - 1),
         "prefix_cache_blocks": facts.prefix_cache_blocks,
+        "offload_policy": facts.offload_policy,
         "modes": ["disaggregated"],
     }
 
