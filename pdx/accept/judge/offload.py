@@ -18,6 +18,7 @@ no difference. KV bytes are counted, not sampled: the line gives their ratio.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,7 +80,11 @@ def compare(
     policies = pb.matrix.offload
     if not policies:
         return None
-    predict = _bytes_predictor(pb, playbook_dir, preflight)
+    predict: Callable[[Step, str, int], float | None] = _no_prediction
+    if any(o.step.workload is not None for o in outcomes):
+        # a model it cannot size: the comparison goes without the prediction
+        with contextlib.suppress(Exception):
+            predict = _bytes_predictor(pb, playbook_dir, preflight)
     cells: dict[int, list[Any]] = {}
     for o in outcomes:
         if o.step.cell is not None:
@@ -112,6 +117,10 @@ def compare(
         + f" of {sum(counts.values())} comparisons"
     )
     return {"candidate": policies[0], "policies": list(policies), "summary": head, "cells": rows}
+
+
+def _no_prediction(step: Step, policy: str, runs: int) -> float | None:
+    return None
 
 
 def _bytes_predictor(
