@@ -266,13 +266,14 @@ class AcceptRun:
         pb = self.pb
         summary = ((self.preflight or {}).get("probe_link") or {}).get("summary") or {}
         rtt_s = float(summary.get("rtt_p99_ms") or 0.0) / 1e3
-        deadline, bound = pb.judgement.request_deadline_s, None
+        deadline, bound, cap = pb.judgement.request_deadline_s, None, None
         metrics_url: str | None = None
         if pb.target.deploy is not None:
             cfg = deploy_config(pb.target, self.playbook_dir)
             deadline = deadline or cfg.gateway.request_timeout_s
             if cfg.engine == "pdx":
                 bound = transfer_deadline_s(cfg.kv.kv_transfer_timeout_ms, summary, self.preflight)
+                cap = cfg.kv.link_cap_gbps
                 bound += 2 * rtt_s
             else:  # vLLM's prefill frees KV nobody pulled when its lease runs out
                 bound = cfg.vllm.kv_lease_s + 2 * rtt_s + 1.0
@@ -294,6 +295,7 @@ class AcceptRun:
             idle_burst_s=pb.judgement.idle_burst_s,
             seed=pb.seed,
             metrics_url=metrics_url,
+            kv_link_cap_gbps=cap,
         )
 
     def _needs_proxy(self) -> bool:
@@ -423,6 +425,7 @@ class AcceptRun:
 
             kernel["router_counters"] = router_delta(router_before, await self.topology.counters())
             kernel["cross_traffic_achieved"] = await self.topology.stop_cross_traffic()
+            kernel["kv_link_cap_gbps"] = self.gates.kv_link_cap_gbps if self.gates else None
             kernel["tcp"] = await self.topology.tcp_between_sites(tcp_readings)  # TCP's own RTT
         gate = await self._collect_gates(step, step_dir, t0)
         outcome = self._finish_step(

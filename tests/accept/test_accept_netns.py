@@ -72,6 +72,8 @@ def test_kernel_conditions_and_proxy_faults_across_namespaces(tmp_path: Path) ->
     assert "router hop, rate cap only (tbf): down rate 5 Mbit/s" in md
     assert "emulator: down rate 1000 Mbit/s queue 50 ms delay 20 ms loss 0.1 %" in md
     assert "link-down events 1" in md
+    assert normal["kernel"]["kv_link_cap_gbps"] is None  # nothing paces this pair's KV
+    assert md.count("KV unpaced (kv.max_link_gbps / max_link_share)") == 3  # said per step
     assert _namespaces() == []  # everything torn down
 
 

@@ -205,6 +205,11 @@ def test_kv_rate_per_transfer_and_cross_traffic_beside_it_in_the_report() -> Non
     text = "\n".join(fault_lines(report))
     assert ("cross-traffic down: 2 cubic flow(s), median 487 Mbit/s over the step; KV beside "
             "them: 500 Mbit/s per transfer") in text  # fmt: skip
+    assert "KV" + " paced" not in text  # a step that does not say what paced it: nothing said
+    for cap, said in ((0.5, "KV paced to 500 Mbit/s"), (None, "KV unpaced")):
+        paced = step.model_copy(update={"kernel": {**kernel, "kv_link_cap_gbps": cap}})
+        text = "\n".join(fault_lines(Report.model_construct(steps=[paced])))
+        assert f"{said} (kv.max_link_gbps / max_link_share); per transfer it moved 500" in text
 
 
 def test_offload_windows_show_a_policy_turning_during_the_step() -> None:

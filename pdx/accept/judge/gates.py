@@ -407,6 +407,8 @@ class GateContext:
     # engine: vllm — where prefill's KV usage is read (the gateway's /metrics) for the
     # stranded-KV gate (pdx.accept.judge.engine_kv); None: no such target
     metrics_url: str | None = None
+    # pdx's own pair: the cap on KV across the link (kv.max_link_gbps / max_link_share), Gbit/s
+    kv_link_cap_gbps: float | None = None
 
 
 @dataclass

@@ -408,6 +408,14 @@ def _kernel_lines(s: StepReport) -> list[str]:
             f"ms, smoothed {_num(tcp.get('rtt_ms'), '.1f')} ms, {tcp.get('retrans', 0)} "
             "segments retransmitted"
         )
+    vllm = any(key.startswith("vllm:") for key in s.metrics_delta or {})  # NIXL: not pdx's
+    if "kv_link_cap_gbps" in k and not vllm:  # pdx's own pair across the sites: its KV pacing
+        cap, kv = k["kv_link_cap_gbps"], s.summary.get("kv_transfer_gbps_p50")
+        paced = "unpaced" if cap is None else f"paced to {cap * 1000:.0f} Mbit/s"
+        seen.append(
+            f"  - KV {paced} (kv.max_link_gbps / max_link_share); per transfer it moved "
+            f"{_num(None if kv is None else kv * 1000, '.0f')} Mbit/s (median)"
+        )
     for d, out in (k.get("cross_traffic_achieved") or {}).items():
         kv = s.summary.get("kv_transfer_gbps_p50")
         seen.append(
