@@ -85,7 +85,7 @@ def _render_stats(con: Any, s: dict[str, Any]) -> None:
               + (f"; one instance with {s['cache_blocks']:,} blocks (LRU) "
                  f"{_pct(s['cache_hit_ratio'])}" if s["cache_blocks"] else ""),
               markup=False)  # fmt: skip
-    over = Table("threshold (tokens)", "requests over it: length", "uncached length",
+    over = Table("threshold (tokens)", "requests at or over it: length", "uncached length",
                  "prompt tokens shipped: length rule", "uncached rule",
                  title="offloaded by a threshold rule (ideal cache)")  # fmt: skip
     for t, v in s["uncached_over"].items():

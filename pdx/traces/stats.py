@@ -132,12 +132,13 @@ def trace_stats(
     per_session = list(turns.values())
     over: dict[str, dict[str, float]] = {}
     for t in thresholds:
-        by_length = sum(r.input_tokens > t for r in reqs)
-        by_uncached = sum(r.input_tokens - c > t for r, c in zip(reqs, ideal, strict=True))
+        # the router's rule: offloaded when the length (or the uncached length) is >= t
+        by_length = sum(r.input_tokens >= t for r in reqs)
+        by_uncached = sum(r.input_tokens - c >= t for r, c in zip(reqs, ideal, strict=True))
         uncached_bytes = sum(
-            r.input_tokens - c for r, c in zip(reqs, ideal, strict=True) if r.input_tokens - c > t
+            r.input_tokens - c for r, c in zip(reqs, ideal, strict=True) if r.input_tokens - c >= t
         )
-        length_bytes = sum(r.input_tokens for r in reqs if r.input_tokens > t)
+        length_bytes = sum(r.input_tokens for r in reqs if r.input_tokens >= t)
         over[str(t)] = {
             "length_share": round(by_length / len(reqs), 4),
             "uncached_share": round(by_uncached / len(reqs), 4),
