@@ -322,6 +322,17 @@ class VLLMConfig(BaseModel):
     decode_urls: list[str] = Field(
         default_factory=list, description="front running decode instances (start nothing)"
     )
+    kv_events: bool = Field(
+        True,
+        description="decode instances pdx starts publish vLLM's KV events (--kv-events-config, "
+        "a Unix socket) and the gateway follows them, so it knows what each decode's prefix "
+        "cache holds (router.offload.policy: uncached)",
+    )
+    decode_kv_events: list[str] = Field(
+        default_factory=list,
+        description="with decode_urls: each instance's KV events endpoint (its "
+        "--kv-events-config endpoint, tcp://HOST:PORT or ipc://PATH), in decode_urls' order",
+    )
     kv_connector: str = Field("NixlConnector", min_length=1)
     kv_buffer_device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="where the connector's KV buffer lives (auto: the device)"
@@ -411,6 +422,23 @@ class VLLMConfig(BaseModel):
                 raise ValueError(f"expected http://HOST:PORT base URLs (got {url!r})")
         return [u.rstrip("/") for u in urls]
 
+    @field_validator("decode_kv_events")
+    @classmethod
+    def _zmq_endpoints(cls, endpoints: list[str]) -> list[str]:
+        for ep in endpoints:
+            if not ep.startswith(("tcp://", "ipc://")) or "*" in ep:
+                raise ValueError(
+                    f"expected tcp://HOST:PORT or ipc://PATH to connect to (got {ep!r})"
+                )
+        return endpoints
+
+    @property
+    def follows_caches(self) -> bool:
+        """The gateway follows every decode's KV events."""
+        if self.external:
+            return bool(self.decode_kv_events)
+        return self.kv_events
+
     @property
     def external(self) -> bool:
         """pdx fronts instances it did not start."""
@@ -462,12 +490,21 @@ class DeployConfig(BaseModel):
 
     @model_validator(mode="after")
     def _offload_policy_has_its_inputs(self) -> DeployConfig:
-        policy = self.router.offload.policy
-        if policy != "length" and self.engine == "vllm":
+        policy, v = self.router.offload.policy, self.vllm
+        if self.engine != "vllm" or policy == "length":
+            return self
+        if policy == "break_even":
             raise ValueError(
-                f"router.offload.policy: {policy} needs engine: pdx (the gateway does not follow "
-                "vLLM's KV events yet, so it cannot know what a vLLM decode holds); use length"
+                "router.offload.policy: break_even needs engine: pdx (its live rates come from "
+                "pdx's own prefill and decode timings); use uncached or length"
             )
+        if not v.follows_caches:
+            raise ValueError(
+                f"router.offload.policy: {policy} needs the decodes' KV events "
+                + ("(vllm.decode_kv_events, one per decode_urls entry)" if v.external
+                   else "(vllm.kv_events: true)")
+                + " so the gateway knows what each decode holds; or use length"
+            )  # fmt: skip
         return self
 
     @model_validator(mode="after")
@@ -477,6 +514,11 @@ class DeployConfig(BaseModel):
             raise ValueError("vllm.prefill_urls / vllm.decode_urls need engine: vllm")
         if v.external and not v.decode_urls:
             raise ValueError("vllm.decode_urls: give at least one decode instance to front")
+        if v.decode_kv_events and len(v.decode_kv_events) != len(v.decode_urls):
+            raise ValueError(
+                f"vllm.decode_kv_events: {len(v.decode_kv_events)} endpoints for "
+                f"{len(v.decode_urls)} vllm.decode_urls; give one per decode, in the same order"
+            )
         return self
 
 

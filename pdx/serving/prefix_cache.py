@@ -37,15 +37,26 @@ _ROOT = b"pdx-prefix-v1"
 def block_hashes(token_ids: Sequence[int], block_tokens: int, salt: str = "") -> list[int]:
     """The chained hash (unsigned 64-bit) of every whole block of ``token_ids``; a request's
     ``cache_salt`` starts its chain elsewhere, so prompts with other salts share no block."""
+    return chain_hashes(token_ids, block_tokens, salt)
+
+
+def chain_hashes(
+    token_ids: Sequence[int], block_tokens: int, salt: str = "", parent: int | None = None
+) -> list[int]:
+    """:func:`block_hashes` of blocks that follow the block whose hash is ``parent`` (None:
+    blocks from the prompt's start, whose chain begins at the ``salt``'s root)."""
     hashes: list[int] = []
-    parent = _ROOT + block_tokens.to_bytes(4, "little")
-    if salt:
-        parent = hashlib.blake2b(parent + salt.encode(), digest_size=8).digest()
+    if parent is not None:
+        prev = parent.to_bytes(8, "little")
+    else:
+        prev = _ROOT + block_tokens.to_bytes(4, "little")
+        if salt:
+            prev = hashlib.blake2b(prev + salt.encode(), digest_size=8).digest()
     for start in range(0, len(token_ids) - block_tokens + 1, block_tokens):
         block = array("q", token_ids[start : start + block_tokens]).tobytes()
-        digest = hashlib.blake2b(parent + block, digest_size=8).digest()
+        digest = hashlib.blake2b(prev + block, digest_size=8).digest()
         hashes.append(int.from_bytes(digest, "little"))
-        parent = digest
+        prev = digest
     return hashes
 
 

@@ -123,6 +123,63 @@ def test_a_salted_local_replay_prefills_instead_of_reading_the_pulled_blocks(
     assert ids[0] == ids[1] == ids[2]
 
 
+def _known_blocks(gw: str) -> float:
+    """Blocks the gateway knows decode-0 holds (from its KV events)."""
+    return sample_sum(metrics_text(gw), "pdx_gateway_decode_cached_blocks", instance="decode-0")
+
+
+def test_decode_s_kv_events_tell_the_gateway_what_vllm_itself_counts_as_cached(
+    pair: Deployment,
+) -> None:
+    """The gateway follows decode's KV events (a Unix socket, re-hashed with pdx's chain): its
+    cached prefix of each request is vLLM's own ``cached_tokens``, salt included, and under
+    ``uncached`` it decides on the rest, which is all NIXL moves."""
+    gw, _, decode, _ = _urls(pair)
+    assert pair.endpoints().decode[0]["kv_events"].startswith("ipc://")
+    first = unique_prompt(300, seed=31)  # two whole 128-token blocks
+    body = {"max_tokens": 4, "temperature": 0, "ignore_eos": True, "pdx_route": "local"}
+
+    def send(prompt: list[int], **extra: Any) -> dict[str, Any]:
+        status, out = post(gw + "/v1/completions", {**body, "prompt": prompt, **extra})
+        assert status == 200, out
+        return dict(out["pdx"])
+
+    known = _known_blocks(gw)
+    cold = send(first)
+    assert cold["offload"]["cached_tokens"] == cold["cached_tokens"] == 0
+    for _ in range(100):  # the events arrive within milliseconds; a bound all the same
+        if _known_blocks(gw) >= known + 2:
+            break
+        time.sleep(0.05)
+    assert _known_blocks(gw) >= known + 2
+    second = first[:280] + unique_prompt(120, seed=32)
+    warm = send(second)
+    assert warm["offload"]["cached_tokens"] == warm["cached_tokens"] == 256, warm
+    salted = send(second, cache_salt="another-tenant")
+    assert salted["offload"]["cached_tokens"] == salted["cached_tokens"] == 0, salted
+    # uncached decides on what decode lacks: 64 uncached tokens stay local under a threshold
+    # of 100, 164 go to prefill, and NIXL pulls only those
+    near = send(first + unique_prompt(20, seed=33), pdx_route="auto",
+                pdx_offload={"policy": "uncached", "threshold_tokens": 100})  # fmt: skip
+    assert near["route"] == "local" and near["offload"]["uncached_tokens"] == 64, near
+    before = engine_counters(metrics_text(decode))
+    far = send(first + unique_prompt(120, seed=34), pdx_route="auto",
+               pdx_offload={"policy": "uncached", "threshold_tokens": 100})  # fmt: skip
+    after = engine_counters(metrics_text(decode))
+    assert far["route"] == "disaggregated" and far["offload"]["uncached_tokens"] == 164, far
+    assert far["offload"]["cached_tokens"] == 256
+    # with pulled KV vLLM reports prefill's own hits (none: prefill never saw this prompt)
+    assert far["cached_tokens"] is None and far["prefill_cached_tokens"] == 0, far
+    assert after["p2p_cached_tokens"] - before["p2p_cached_tokens"] == 164
+    assert (far["remote_tokens"], far["pulled_tokens"]) == (420, 164)  # prefill's offer, the pull
+    moved = after["nixl_bytes_transferred"] - before["nixl_bytes_transferred"]
+    assert far["kv_bytes"] == moved == 2 * 262_144  # two 128-token blocks of the tiny model
+    status, err = post(
+        gw + "/v1/completions", {**body, "prompt": first, "pdx_offload": {"policy": "break_even"}}
+    )
+    assert status == 400 and "expected one of length, uncached" in err["error"]["message"]
+
+
 async def _stream(gw: str, body: dict[str, Any]) -> dict[str, Any]:
     tokens: list[int] = []
     pdx: dict[str, Any] = {}

@@ -695,3 +695,17 @@ def test_the_log_watch_reads_only_this_starts_lines_whole(tmp_path: Path) -> Non
         f.write(b"42): address already in use\n")
     port, line = watch.port_taken() or (0, "")
     assert port == 4242 and line.startswith("bind ('127.0.0.1', 4242)")
+
+
+def test_decodes_publish_kv_events_on_a_unix_socket_prefill_does_not(tmp_path: Path) -> None:
+    engines = _engines(tmp_path, [])
+    p, d0 = engines.instances["prefill-0"], engines.instances["decode-0"]
+    argv = engines.argv(d0)
+    conf = json.loads(argv[argv.index("--kv-events-config") + 1])
+    assert conf == {"enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
+                    "endpoint": f"ipc://{engines.instance_tmp('decode-0')}/kv-events"}  # fmt: skip
+    assert "--enable-prompt-tokens-details" in argv
+    assert engines.describe(d0)["kv_events"] == conf["endpoint"]
+    assert "--kv-events-config" not in engines.argv(p) and "kv_events" not in engines.describe(p)
+    off = _engines(tmp_path, ["vllm.kv_events=false"])
+    assert "--kv-events-config" not in off.argv(off.instances["decode-0"])

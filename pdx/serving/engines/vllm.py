@@ -43,6 +43,8 @@ MODULE = "vllm.entrypoints.openai.api_server"
 #: anything else fails on the first request, not at start, so pdx checks it up front.
 CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 _ROLE = {"prefill": "kv_producer", "decode": "kv_consumer"}
+#: The topic of the KV events of the decodes pdx starts (gateway.vllm_events follows it).
+KV_EVENTS_TOPIC = "kv-events"
 
 
 class ChildLike(Protocol):
@@ -275,9 +277,27 @@ class VLLMEngines:
             argv += ["--block-size", str(v.block_size)]
         if v.max_num_seqs:
             argv += ["--max-num-seqs", str(v.max_num_seqs)]
+        if (events := self.kv_events_endpoint(inst)) is not None:
+            conf = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": events,
+                    "topic": KV_EVENTS_TOPIC}  # fmt: skip
+            # the decode's own count of prompt tokens its caches supplied, in each usage
+            argv += ["--kv-events-config", json.dumps(conf), "--enable-prompt-tokens-details"]
         argv += [*v.args, *(v.prefill_args if inst.role == "prefill" else v.decode_args)]
         netns = (self.cfg.prefill if inst.role == "prefill" else self.cfg.decode).netns
         return ["ip", "netns", "exec", netns, *argv] if netns else argv
+
+    def kv_events_endpoint(self, inst: Instance) -> str | None:
+        """Where decode ``inst`` publishes its KV events (None: it does not, or a prefill).
+
+        An instance pdx starts binds a Unix socket in its own TMPDIR (the gateway runs on the
+        same host; nothing listens on the network); one you run is where
+        ``vllm.decode_kv_events`` says."""
+        v = self.cfg.vllm
+        if inst.role != "decode":
+            return None
+        if inst.external_url:
+            return v.decode_kv_events[inst.index] if v.decode_kv_events else None
+        return f"ipc://{self.instance_tmp(inst.name)}/kv-events" if v.kv_events else None
 
     def _buffer_device(self) -> str:
         chosen = self.cfg.vllm.kv_buffer_device
@@ -457,6 +477,8 @@ class VLLMEngines:
                        ucx_net_devices=inst.ucx_net_device)  # fmt: skip
             if inst.role == "prefill":  # where decode pulls the KV from (the KV link's end)
                 out["kv_endpoint"] = out["nixl_side_channel"]
+        if (events := self.kv_events_endpoint(inst)) is not None:
+            out["kv_events"] = events  # what the gateway follows (docs/deploy.md)
         return out
 
     def model_dict(self) -> dict[str, Any]:

@@ -95,7 +95,9 @@ class Gateway:
     """The HTTP front door; owns the router, the gRPC channels and the metrics."""
 
     flow_factory: type[Flow] = Flow  # one choice's path (engine gateways use their own)
-    follows_caches = True  # whether the router sees the decodes' prefix caches
+    #: the offload policies a request may ask for (``pdx_offload.policy``): the cache-aware
+    #: ones need the router to see the decodes' prefix caches
+    policies: tuple[str, ...] = ("length", "uncached", "break_even")
 
     def __init__(
         self,
@@ -222,7 +224,8 @@ class Gateway:
         if st.vocab_size:
             self.vocab_size = st.vocab_size
         if st.prefix_block_tokens and d.name not in self._watchers:
-            self._watchers[d.name] = asyncio.get_running_loop().create_task(watch_cache(d))
+            watch = watch_cache(d, self.metrics.cached_blocks_changed)
+            self._watchers[d.name] = asyncio.get_running_loop().create_task(watch)
         if st.prefill_tflops > 0 and self.threshold_for is not None:
             # Once: the break-even from decode's measured prefill speed (decode is where a
             # short prompt would be recomputed).
@@ -359,10 +362,10 @@ class Gateway:
                 param="max_tokens",
             )
         policy = req.offload.policy if req.offload is not None else None
-        if policy not in (None, "length") and not self.follows_caches:
+        if policy is not None and policy not in self.policies:
             raise bad_request("pdx_offload.policy", f"pdx_offload.policy: got {policy!r}, "
-                              "expected 'length' (this gateway does not follow the engines' "
-                              "prefix caches)")  # fmt: skip
+                              f"expected one of {', '.join(self.policies)} (what this "
+                              "gateway's engines let it decide on)")  # fmt: skip
         for index in range(req.n):
             decision = self.router.decide(
                 req.route, len(req.prompt_ids), req.user, req.max_tokens, req.prompt_ids,

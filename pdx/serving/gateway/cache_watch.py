@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import grpc
 
@@ -32,20 +33,26 @@ def apply_event(d: DecodeInstance, event: serving_pb2.CacheEvent) -> None:
 
 
 async def watch_cache(
-    d: DecodeInstance, first_delay_s: float = 0.2, most_delay_s: float = 5.0
+    d: DecodeInstance,
+    changed: Callable[[DecodeInstance], None] = lambda d: None,
+    first_delay_s: float = 0.2,
+    most_delay_s: float = 5.0,
 ) -> None:
-    """Follow ``d``'s cache events until cancelled, reconnecting with backoff."""
+    """Follow ``d``'s cache events until cancelled, reconnecting with backoff; ``changed``
+    after every batch and every loss of the stream."""
     delay = first_delay_s
     while True:
         call = d.stub.CacheEvents(serving_pb2.CacheEventsRequest())
         try:
             async for event in call:
                 apply_event(d, event)
+                changed(d)
                 delay = first_delay_s
         except grpc.aio.AioRpcError as exc:
             log.debug("cache events of %s: %s", d.name, exc.code())
         finally:
             call.cancel()
         d.cached_blocks.clear()
+        changed(d)
         await asyncio.sleep(delay)
         delay = min(most_delay_s, delay * 2)

@@ -26,6 +26,7 @@ from pdx.serving.engines.metrics import merge, sample_lines, sample_sum
 from pdx.serving.engines.vllm import VLLMEngines
 from pdx.serving.gateway.app import Gateway, naming
 from pdx.serving.gateway.engine_flow import EngineFlow, EngineFlowContext, EngineSettings
+from pdx.serving.gateway.vllm_events import follow_vllm_events
 from pdx.serving.restarts import RestartBoard
 from pdx.serving.router import DecodeInstance, PrefillInstance, Router
 from pdx.transfer.retry import GlobalRetryBudget
@@ -39,12 +40,15 @@ class EngineGateway(Gateway):
     """The gateway with vLLM prefill and decode instances behind it."""
 
     flow_factory = EngineFlow
-    follows_caches = False  # vLLM's KV events are not followed: only the length policy
     ctx: EngineFlowContext
 
     def __init__(self, *args: Any, engine: EngineSettings, vocab_size: int | None = None,
-                 **kwargs: Any) -> None:  # fmt: skip
+                 kv_events: dict[str, str] | None = None, **kwargs: Any) -> None:  # fmt: skip
         self.engine = engine
+        #: decode name → where its KV events are published (those followed)
+        self.kv_events = dict(kv_events or {})
+        # break_even is pdx's engines' own: its live rates come from their timings
+        self.policies = ("length", "uncached") if self.kv_events else ("length",)
         self.retry_budget = GlobalRetryBudget()
         super().__init__(*args, **kwargs)
         self.vocab_size = vocab_size
@@ -67,6 +71,16 @@ class EngineGateway(Gateway):
         )
         self._client = EngineClient(self.session, self.engine.served_model)
         self.ctx.http = self._client
+
+    async def start(self, host: str, port: int) -> int:
+        """Serve; follow the KV events of every decode that publishes them."""
+        port = await super().start(host, port)
+        loop = asyncio.get_running_loop()
+        for d in self.router.decodes:
+            if (endpoint := self.kv_events.get(d.name)) is not None:
+                watch = follow_vllm_events(d, endpoint, self.metrics.cached_blocks_changed)
+                self._watchers[d.name] = loop.create_task(watch)
+        return port
 
     def flow_context(self) -> EngineFlowContext:
         """The shared state plus the engines' settings, retry budget and client."""
@@ -148,8 +162,10 @@ def build_engine_gateway(
     kv_bytes_for: Callable[[int], int],
     vocab_size: int | None,
     restarts: RestartBoard | None = None,
+    kv_events: dict[str, str] | None = None,
 ) -> EngineGateway:
-    """A gateway over named (name, base URL) vLLM prefill and decode instances."""
+    """A gateway over named (name, base URL) vLLM prefill and decode instances
+    (``kv_events``: decode name → its KV events endpoint, for those it follows)."""
     router = Router(cfg.router, local_prefill_threshold(cfg))
     router.prefills = [PrefillInstance(name, url) for name, url in prefills]
     router.decodes = [
@@ -179,6 +195,7 @@ def build_engine_gateway(
         engine=settings,
         vocab_size=vocab_size,
         restarts=restarts,
+        kv_events=kv_events,
     )
 
 
@@ -210,6 +227,7 @@ async def gateway_for_engines(
         kv_bytes_for=sizer,
         vocab_size=int(text["vocab_size"]) if text.get("vocab_size") else None,
         restarts=restarts,
+        kv_events={i.name: ep for i in insts if (ep := engines.kv_events_endpoint(i))},
     )
 
 

@@ -85,6 +85,13 @@ class EngineFlow(Flow):
         self.transfer_outcome: str | None = None
         self.kv_ready_ms: float | None = None  # decode call → its first token, when given KV
         self.local_prefill_ms: float | None = None  # the same when decode computed the prompt
+        self.engine_cached: int | None = None  # decode's prompt_tokens_details.cached_tokens
+
+    @property
+    def pulled_tokens(self) -> int:
+        """Prompt tokens whose KV decode pulls: prefill's offer less decode's cached prefix."""
+        pr = self.prefill_result
+        return max(0, pr.remote_tokens - self.decision.cached_tokens) if pr else 0
 
     async def events(self) -> AsyncGenerator[int, None]:
         """Generated tokens in order; raises HTTPProblem on failure."""
@@ -228,6 +235,8 @@ class EngineFlow(Flow):
             ctx.client.stream(d.address, body, timeout_s=ctx.cfg.request_timeout_s)
         ) as chunks:
             async for chunk in chunks:
+                if chunk.usage:  # the last chunk (vLLM with --enable-prompt-tokens-details)
+                    self.engine_cached = _cached_tokens(chunk.usage)
                 if not started and chunk.token_ids:
                     started = True
                     first_by.reschedule(None)
@@ -280,7 +289,7 @@ class EngineFlow(Flow):
             m.degradations.labels(reason.split(":")[0]).inc()
         pr = self.prefill_result if self.transfer_outcome else None
         kv_bytes = (
-            ctx.engine.kv_bytes_for(pr.remote_tokens) if pr and self.transfer_outcome == "ok" else 0
+            ctx.engine.kv_bytes_for(self.pulled_tokens) if self.transfer_outcome == "ok" else 0
         )
         if self.transfer_outcome:
             ok = self.transfer_outcome == "ok"
@@ -324,8 +333,17 @@ class EngineFlow(Flow):
             if pr and self.decision.prefill
             else None,
             "kv_id": pr.remote_request_id if pr and self.transfer_outcome else None,
+            # vLLM's usage.prompt_tokens_details.cached_tokens: on the local route decode's
+            # prefix-cache hits; with pulled KV vLLM reports prefill's own hits instead
+            # (None: the instance does not report it)
+            "cached_tokens": None if shipped else self.engine_cached,
+            "prefill_cached_tokens": self.engine_cached if shipped else None,
+            "offload": {**self.decision.offload(), "path": route},
             "remote_tokens": pr.remote_tokens if pr and shipped else 0,
             "remote_blocks": pr.remote_blocks if pr and shipped else 0,
+            # the part decode pulled: NIXL moves only the blocks decode's cache lacks (as its
+            # KV events said when the request was routed); kv_bytes is their size
+            "pulled_tokens": self.pulled_tokens if shipped else 0,
             # The id decode got with the KV handle: what its KV-load failure records name.
             "decode_request_id": self._rid("d") if pr else None,
             "timings_ms": {
@@ -339,6 +357,12 @@ class EngineFlow(Flow):
                 else None,
             },
         }
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) else None
 
 
 def _logprob(item: tuple[int, float, list[int], list[float]]) -> serving_pb2.TokenLogprob:

@@ -74,7 +74,18 @@ class GatewayMetrics:
             "pdx_gateway_in_flight", "Requests in flight per decode instance", ["instance"],
             registry=r,
         )  # fmt: skip
+        self.cached_blocks = Gauge(
+            "pdx_gateway_decode_cached_blocks",
+            "Prefix-cache blocks the router knows a decode instance holds (from its cache "
+            "events; 0 while they are not followed)",
+            ["instance"],
+            registry=r,
+        )
         self._vllm_like(r)
+
+    def cached_blocks_changed(self, decode: Any) -> None:
+        """What the router now knows ``decode`` (a router.DecodeInstance) holds."""
+        self.cached_blocks.labels(decode.name).set(len(decode.cached_blocks))
 
     def _vllm_like(self, r: CollectorRegistry) -> None:
         """The ``pdx:*`` series (vLLM's names and meanings; one ``model_name`` label)."""
