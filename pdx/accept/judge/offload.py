@@ -127,19 +127,22 @@ def _bytes_predictor(
     pb: Playbook, playbook_dir: Path | None, preflight: dict[str, Any] | None
 ) -> Callable[[Step, str, int], float | None]:
     """(step, policy, its runs) → the KV bytes ``pdx simulate`` ships on the step's trace window
-    under that policy, with prefix caches that never evict (the deploy's hold the window), KV
-    per token from the pre-flight's measure-kv (else the deployed model sized analytically);
+    under that policy (on vLLM, ``length`` ships only what decode lacks), with prefix caches
+    that never evict (the deploy's hold the window), KV per token from the pre-flight's
+    measure-kv (else the deployed model sized analytically);
     None where it cannot say (no trace, a target pdx did not deploy, break_even)."""
     kv = ((preflight or {}).get("measure_kv") or {}).get("result") or {}
     per_token = float(kv.get("kv_bytes_per_token") or 0.0)
-    local_max = None
+    local_max, engine = None, "pdx"
     if pb.target.deploy is not None and playbook_dir is not None:
         from pdx.accept.preflight.kv import deploy_config, kv_bytes_at
         from pdx.serving.deploy_config import local_prefill_threshold
 
         if not per_token:  # no measure-kv in the pre-flight: the deployed model, sized as it does
             per_token = kv_bytes_at(pb, playbook_dir, [1024])[1024] / 1024
-        local_max = max(0, local_prefill_threshold(deploy_config(pb.target, playbook_dir)) - 1)
+        deployed = deploy_config(pb.target, playbook_dir)
+        local_max = max(0, local_prefill_threshold(deployed) - 1)
+        engine = deployed.engine
 
     def predict(step: Step, policy: str, runs: int) -> float | None:
         if step.workload is None or local_max is None or policy not in ("length", "uncached"):
@@ -155,7 +158,10 @@ def _bytes_predictor(
         cfg = load_sim_config(overrides={
             "modes": ["disaggregated"], "kv_bytes_per_token": per_token,
             "local_prefill_max_tokens": local_max, "prefix_cache_blocks": 10**7,
-            "offload_policy": policy, "workload": workload,
+            # vLLM decides by length but its NIXL pull moves only what decode lacks: the
+            # simulator's model without a policy (pdx's own pair ships the whole prompt)
+            "offload_policy": None if (engine, policy) == ("vllm", "length") else policy,
+            "workload": workload,
         })  # fmt: skip
         shipped = simulate(cfg).disaggregated
         got = None if shipped is None else shipped.kv_shipped_bytes
