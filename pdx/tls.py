@@ -224,10 +224,29 @@ def ca_key_dir(cert_dir: Path | str) -> Path:
     return d.parent / f"{d.name}.ca-key"
 
 
+def tls12_refused() -> bool:
+    """Whether gRPC's TLS ports refuse TLS 1.2 in this process (see ``pdx.GRPC_TLS12_SUITES``)."""
+    from pdx import GRPC_IMPORTED_FIRST, GRPC_TLS12_SUITES
+
+    return os.environ.get("GRPC_SSL_CIPHER_SUITES") == GRPC_TLS12_SUITES and not GRPC_IMPORTED_FIRST
+
+
 def server_credentials(tls: TLSConfig) -> grpc.ServerCredentials:
-    """Server side of mutual TLS: present ``tls.name``'s cert, require a CA-signed client."""
+    """Server side of mutual TLS: present ``tls.name``'s cert, require a CA-signed client;
+    TLS 1.3 only unless ``GRPC_SSL_CIPHER_SUITES`` was set to something else (a warning)."""
+    import logging
+
     import grpc
 
+    from pdx import GRPC_IMPORTED_FIRST
+
+    if not tls12_refused():
+        logging.getLogger("pdx.tls").warning(
+            "this gRPC port accepts TLS 1.2 too: GRPC_SSL_CIPHER_SUITES is %r%s (pdx's "
+            "default leaves TLS 1.2 no cipher suite, so only TLS 1.3 connects)",
+            os.environ.get("GRPC_SSL_CIPHER_SUITES"),
+            " (grpc was imported before pdx)" if GRPC_IMPORTED_FIRST else "",
+        )
     f = cert_files(tls.cert_dir, tls.name)
     return grpc.ssl_server_credentials(
         [(f.key.read_bytes(), f.cert.read_bytes())],

@@ -6,6 +6,10 @@ import os
 
 import pytest
 
+# Before any test module imports grpc: pdx sets gRPC's TLS 1.2 cipher suites when it is
+# imported (pdx.GRPC_TLS12_SUITES), which gRPC reads once, at its own import.
+import pdx  # noqa: F401
+
 # Tests never reach a hub; models are built from configs with random weights.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")

@@ -7,6 +7,8 @@ import contextlib
 import json
 import os
 import signal
+import socket
+import ssl
 import subprocess
 import sys
 import time
@@ -182,6 +184,45 @@ async def test_pdx_deploy_serves_survives_a_killed_decode_and_stops_cleanly() ->
             raise
     assert rc == 0, proc.stderr.read() if proc.stderr else ""
     assert not [p for p in children if alive(p)]
+
+
+def _handshake(port: int, cert_dir: Path, tls12: bool) -> str | None:
+    ctx = ssl.create_default_context(cafile=str(cert_dir / "ca.pem"))
+    ctx.load_cert_chain(cert_dir / "gateway.pem", cert_dir / "gateway.key")
+    ctx.set_alpn_protocols(["h2"])
+    if tls12:
+        ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    with (
+        socket.create_connection(("127.0.0.1", port), timeout=5) as raw,
+        ctx.wrap_socket(raw, server_hostname="localhost") as tls,
+    ):
+        return tls.version()
+
+
+@pytest.mark.slow
+async def test_every_grpc_port_of_a_deploy_takes_tls13_and_refuses_tls12() -> None:
+    """The contract's TLS 1.3: prefill's, its KV store's and decode's gRPC ports, each in its
+    own process as ``pdx deploy`` starts them, refuse a client that offers TLS 1.2 at most."""
+    cmd = [sys.executable, "-c", "from pdx.cli.main import main; main()", "deploy", "--port", "0",
+           "--json"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
+    )
+    try:
+        ep = await asyncio.to_thread(read_endpoints, proc)
+        certs = Path(ep["tls_dir"])
+        ports = [ep["prefill"][0]["port"], ep["prefill"][0]["kv_port"], ep["decode"][0]["port"]]
+        for port in ports:
+            assert await asyncio.to_thread(_handshake, port, certs, False) == "TLSv1.3"
+            with pytest.raises((ssl.SSLError, ConnectionError)):
+                await asyncio.to_thread(_handshake, port, certs, True)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.to_thread(proc.wait, 30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            raise
 
 
 CLIENT = """

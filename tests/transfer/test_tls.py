@@ -128,3 +128,8 @@ async def test_server_negotiates_tls13_and_demands_a_client_cert(certs, kv_serve
             return tls.version()
 
     assert await asyncio.to_thread(handshake) == "TLSv1.3"
+    # A client that speaks TLS 1.2 at most finds no cipher suite in common (pdx leaves TLS 1.2
+    # none on gRPC ports): refused at the handshake.
+    ctx.maximum_version = ssl.TLSVersion.TLSv1_2
+    with pytest.raises((ssl.SSLError, ConnectionError)):
+        await asyncio.to_thread(handshake)
