@@ -319,3 +319,24 @@ def test_the_vllm_silent_fallback_gate_reads_decode_failure_records(tmp_path: Pa
         "labelled_disaggregated": 2, "silent_fallback": 1}  # fmt: skip
     rows.append({"ok": True, "output_tokens": 8, "pdx": {"route": "disaggregated"}})
     assert "do not name decode's request ids" in str(engine_silent_fallback(rows, [tmp_path]))
+
+
+def test_a_namespace_run_says_what_protects_the_traffic_between_its_sites(tmp_path: Path) -> None:
+    from pdx.accept.playbook import Target
+    from pdx.accept.report.content import headline, target_line
+    from pdx.accept.target.deploy import TLS_ACROSS, _across_sites
+
+    def across(*sets: str) -> str:
+        return _across_sites(Target(deploy="default", deploy_set=list(sets)), tmp_path)
+
+    assert across() == TLS_ACROSS == "mutual TLS 1.3"
+    assert across("tls.enabled=false") == "plaintext (the deploy's tls.enabled: false)"
+    assert across("engine=vllm").startswith("plaintext (engine: vllm:")
+    (report,) = _report([(50, (45, 55))])
+    report.target = {"kind": "deploy", "url": "http://10.77.3.2:1", "netns": {
+        "prefill": "p", "decode": "d", "across_sites": across("tls.enabled=false")}}  # fmt: skip
+    assert headline(report).endswith("; PLAINTEXT across sites")
+    assert "across sites: plaintext (the deploy's tls.enabled: false)" in target_line(report)
+    report.target["netns"]["across_sites"] = TLS_ACROSS
+    assert "PLAINTEXT" not in headline(report)
+    assert target_line(report).endswith("across sites: mutual TLS 1.3")

@@ -50,6 +50,12 @@ def test_kernel_conditions_and_proxy_faults_across_namespaces(tmp_path: Path) ->
     code, output, data = _run(tmp_path, [])
     assert code == 0, (output, data["what_to_change"], data["problems"])
     assert data["target"]["netns"]["prefill"] == f"{PREFIX}-prefill"
+    # The sites talk mutual TLS 1.3 with certificates made for the run, gone with it.
+    assert data["target"]["netns"]["across_sites"] == "mutual TLS 1.3"
+    (tls_dir,) = [a.split("=", 1)[1] for a in data["target"]["deploy_args"]
+                  if a.startswith("tls.dir=")]  # fmt: skip
+    assert Path(tls_dir).parent.name.startswith(f"{PREFIX}-tls-") and not Path(tls_dir).exists()
+    assert "PLAINTEXT" not in output
     normal, capped, cut = data["steps"]
     assert normal["kernel"]["rate_mbit"] == 1000 and capped["kernel"]["rate_mbit"] == 5
     assert "rate 5Mbit" in capped["kernel"]["qdiscs"]["eth-prefill"]

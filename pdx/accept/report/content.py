@@ -23,6 +23,8 @@ def target_line(report: Report) -> str:
     if model:
         synthetic = " (synthetic)" if (t.get("model") or {}).get("synthetic") else ""
         parts.append(f"model={model}{synthetic}")
+    if across := (t.get("netns") or {}).get("across_sites"):
+        parts.append(f"across sites: {across}")
     return " ".join(p for p in parts if p)
 
 
@@ -248,6 +250,8 @@ def headline(report: Report) -> str:
     )
     tail = f"; {len(report.not_judged)} not judged (null)" if report.not_judged else ""
     tail += f"; {advisory} advisory" if advisory else ""
+    across = str((report.target.get("netns") or {}).get("across_sites") or "")
+    tail += "; PLAINTEXT across sites" if across.startswith("plaintext") else ""
     return (
         f"{report.verdict}{state} — run {'VALID' if report.valid else 'INVALID'}{unexplained}; "
         f"{met}/{len(deciding)} judged criteria met{extra} {how}{tail}"

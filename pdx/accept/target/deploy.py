@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 
 from pdx.accept.playbook import Target
 from pdx.accept.target.process import DeployProcess, wait_ready
-from pdx.errors import InputError, MeasurementError
+from pdx.errors import InputError, MeasurementError, PdxError
 
 if TYPE_CHECKING:
     from pdx.accept.target.netns import Topology
@@ -80,8 +80,10 @@ async def start_deploy(
 
     args = [*deploy_args(target, playbook_dir, 0), "--json"]
     prefix: list[str] = []
+    across: str | None = None  # what protects the traffic between the sites
     if topology is not None:
-        for item in topology.deploy_overrides(via_proxy=needs_proxy):
+        across = _across_sites(target, playbook_dir)
+        for item in topology.deploy_overrides(via_proxy=needs_proxy, tls=across == TLS_ACROSS):
             args += ["--set", item]
         prefix = topology.command_prefix()
     elif needs_proxy:
@@ -113,8 +115,28 @@ async def start_deploy(
     }
     if topology is not None:
         info["netns"] = {"prefill": topology.prefill_ns, "decode": topology.decode_ns,
-                         "router": topology.cfg.router}  # fmt: skip
+                         "router": topology.cfg.router, "across_sites": across}  # fmt: skip
     return StartedDeploy(proc, url, client, info)
+
+
+TLS_ACROSS = "mutual TLS 1.3"
+
+
+def _across_sites(target: Target, playbook_dir: Path) -> str:
+    """What protects the traffic between the two sites of a namespace run: pdx's pair keeps
+    its mutual TLS (with certificates for the sites' addresses) unless the deploy turned TLS
+    off; vLLM's HTTP and NIXL traffic is not encrypted."""
+    from pdx.accept.preflight.kv import deploy_config
+
+    try:
+        cfg = deploy_config(target, playbook_dir)
+    except PdxError:  # pdx deploy itself refuses it, and says why, next
+        return TLS_ACROSS
+    if cfg.engine == "vllm":
+        return "plaintext (engine: vllm: the prefill call and NIXL's pulls are not encrypted)"
+    if not cfg.tls.enabled:
+        return "plaintext (the deploy's tls.enabled: false)"
+    return TLS_ACROSS
 
 
 def _kv_store(endpoints: dict[str, Any]) -> str | None:

@@ -17,6 +17,7 @@ import os
 import shutil
 import statistics
 import subprocess
+import tempfile
 from typing import Any
 
 from pdx.accept.playbook import Condition, NetnsTarget
@@ -75,6 +76,7 @@ class Topology:
         self.host_addr, self.site_addr = _free_host_link()
         self.created = False
         self.cross: Any = None  # the step's CrossTraffic while it runs
+        self._tls_root: str | None = None  # this run's certificates (removed by down())
 
     @property
     def prefill_ns(self) -> str:
@@ -121,18 +123,35 @@ class Topology:
                             f"net.ipv4.tcp_min_rtt_wlen={MIN_RTT_WINDOW_S}"],
                            capture_output=True, check=False)  # fmt: skip
 
-    def deploy_overrides(self, *, via_proxy: bool = False) -> list[str]:
+    def certificates(self) -> str:
+        """A fresh CA and every service's identity for this run, valid for the sites'
+        addresses as well as loopback (``pdx certs init --host``); made once, removed with
+        the namespaces. The directory the deploy's services read (the CA's key beside it)."""
+        from pdx.faults.netns import SUBNET_DECODE
+        from pdx.tls import init_certs
+
+        if self._tls_root is None:
+            self._tls_root = tempfile.mkdtemp(prefix=f"{self.opts.prefix}-tls-")
+        certs = os.path.join(self._tls_root, "certs")
+        if not os.path.exists(os.path.join(certs, "ca.pem")):
+            init_certs(certs, hosts=[self.prefill_addr, self.site_addr, f"{SUBNET_DECODE}.1"])
+        return certs
+
+    def deploy_overrides(self, *, via_proxy: bool = False, tls: bool = True) -> list[str]:
         """``pdx deploy --set`` items placing prefill in its site and the gateway on the link.
 
         ``via_proxy``: the deploy's KV fault proxy (decode side, loopback of the decode site)
         with its control API on the host link, where ``pdx accept`` in this namespace reaches it.
+        ``tls``: mutual TLS across the sites with :meth:`certificates` (else the deploy's own
+        ``tls`` settings stand: a deploy that turned TLS off runs in plaintext).
         """
         items = [
             f"prefill.netns={self.prefill_ns}",
             f"prefill.host={self.prefill_addr}",
             f"gateway.host={self.site_addr}",
-            "tls.enabled=false",
         ]
+        if tls:
+            items.append(f"tls.dir={self.certificates()}")
         if via_proxy:
             items += ["kv.via_proxy=true", f"kv.proxy_control_host={self.site_addr}"]
         return items
@@ -277,6 +296,9 @@ class Topology:
             await asyncio.to_thread(netns.down, self.cfg)
             await asyncio.to_thread(_ip, "link", "del", self.host_dev, check=False)
             self.created = False
+        if self._tls_root is not None:
+            shutil.rmtree(self._tls_root, ignore_errors=True)
+            self._tls_root = None
 
 
 def counters_delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
