@@ -267,6 +267,12 @@ class Criteria(BaseModel):
         description="share of requests still unanswered past judgement.request_deadline_s "
         "+ 2 x RTT",
     )
+    plaintext_on_link_max: Fraction | None = Field(
+        default=None,
+        description="target.netns: share of the packets captured between the sites, while "
+        "canary requests run after each step, that carry the canary prompt in the clear "
+        "(0: none may; null: no capture)",
+    )
     idle_ttft_ratio_max: PositiveFloat | None = Field(
         default=2.0,
         description="idle-gap steps: burst TTFT p99 / steady TTFT p99 of the same step",

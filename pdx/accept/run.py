@@ -261,42 +261,10 @@ class AcceptRun:
 
     def _gate_context(self) -> GateContext:
         """Deadlines and bounds of the gates, from the deploy config and the probed RTT."""
-        from pdx.accept.preflight.kv import deploy_config, transfer_deadline_s
+        from pdx.accept.judge.gates import gate_context
 
-        pb = self.pb
-        summary = ((self.preflight or {}).get("probe_link") or {}).get("summary") or {}
-        rtt_s = float(summary.get("rtt_p99_ms") or 0.0) / 1e3
-        deadline, bound, cap = pb.judgement.request_deadline_s, None, None
-        metrics_url: str | None = None
-        if pb.target.deploy is not None:
-            cfg = deploy_config(pb.target, self.playbook_dir)
-            deadline = deadline or cfg.gateway.request_timeout_s
-            if cfg.engine == "pdx":
-                bound = transfer_deadline_s(cfg.kv.kv_transfer_timeout_ms, summary, self.preflight)
-                cap = cfg.kv.link_cap_gbps
-                bound += 2 * rtt_s
-            else:  # vLLM's prefill frees KV nobody pulled when its lease runs out
-                bound = cfg.vllm.kv_lease_s + 2 * rtt_s + 1.0
-                metrics_url = self.url + pb.target.metrics_path
-        elif pb.target.records_dirs:  # its kv_transfer_timeout_ms is not known here: derived
-            bound = transfer_deadline_s(None, summary, self.preflight) + 2 * rtt_s
-        return GateContext(
-            url=self.url,
-            audit_dirs=self._audit_dirs(),
-            deadline_s=deadline or pb.load.timeout_s,
-            rtt_s=rtt_s,
-            stranded_bound_s=bound,
-            extra_body=dict(pb.target.extra_body),
-            model=pb.target.model,
-            timeout_s=pb.load.timeout_s,
-            replay_requests=pb.judgement.replay_requests,
-            replay_tie_logprob=pb.judgement.replay_tie_logprob,
-            replay_concurrency=pb.judgement.replay_concurrency,
-            idle_burst_s=pb.judgement.idle_burst_s,
-            seed=pb.seed,
-            metrics_url=metrics_url,
-            kv_link_cap_gbps=cap,
-        )
+        return gate_context(self.pb, self.playbook_dir, self.url, self.preflight,
+                            self._audit_dirs(), self.topology)  # fmt: skip
 
     def _needs_proxy(self) -> bool:
         """Whether any step needs the proxy (under netns only delay, jitter and cuts do)."""
@@ -511,7 +479,8 @@ class AcceptRun:
         from pdx.accept.judge.gates import collect
 
         idle_s = self.pb.conditions[step.network].idle_s
-        return await collect(self.gates, read_records(step_dir), t0, idle_s, step.index)
+        rows = read_records(step_dir)
+        return await collect(self.gates, rows, t0, idle_s, step.index, step.input_tokens)
 
     async def _watch(self, step: Step, run: asyncio.Task[int], t0: float) -> list[dict[str, Any]]:
         samples: list[dict[str, Any]] = []

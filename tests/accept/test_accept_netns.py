@@ -57,6 +57,12 @@ def test_kernel_conditions_and_proxy_faults_across_namespaces(tmp_path: Path) ->
     assert Path(tls_dir).parent.name.startswith(f"{PREFIX}-tls-") and not Path(tls_dir).exists()
     assert "PLAINTEXT" not in output
     normal, capped, cut = data["steps"]
+    # ... and the capture of the hop, while canary prompts crossed after each step, found
+    # none of them in the clear in N captured packets (stated)
+    for step in data["steps"]:
+        sm = step["summary"]
+        assert sm["plaintext_captures"] == 0 and sm["wire_captures"] >= 100, sm
+        assert sm["wire_canary_requests"] == 20 and sm["wire_iface"].endswith("/eth-prefill")
     assert normal["kernel"]["rate_mbit"] == 1000 and capped["kernel"]["rate_mbit"] == 5
     assert "rate 5Mbit" in capped["kernel"]["qdiscs"]["eth-prefill"]
     # The cap really acted on the KV bytes (prefill → decode): tbf held packets back ...
@@ -111,7 +117,8 @@ def test_namespaces_removed_when_the_deploy_fails(tmp_path: Path) -> None:
 def test_a_lossy_link_the_probe_rejects_makes_the_run_no_go(tmp_path: Path) -> None:
     """5 % of the router hop's wire packets dropped: the step's own probe bounds the loss far
     above the 0.1 % rule, so link_verdict fails and the run is NO-GO, though the pair itself
-    copes (its other criteria are left unjudged here)."""
+    copes (its other criteria are left unjudged here). The deploy's TLS is off too: the
+    capture of the hop finds the canary prompt in the clear, and the headline says so."""
     unjudged = ("ttft_p50_ms", "tpot_p50_ms", "error_rate_max", "transfer_success_min",
                 "retry_rate_max", "degrade_rate_max", "silent_fallback_max",
                 "output_mismatch_max", "kv_stranded_max_s", "overdue_requests_max")  # fmt: skip
@@ -122,6 +129,7 @@ def test_a_lossy_link_the_probe_rejects_makes_the_run_no_go(tmp_path: Path) -> N
             "conditions.normal.loss=0.05",
             "preflight.probe_each_step=true",
             "judgement.replay_requests=0",
+            "target.deploy_set=[router.local_prefill_max_tokens=8,tls.enabled=false]",
             *(f"criteria.{name}=null" for name in unjudged),
         ],
     )
@@ -129,5 +137,9 @@ def test_a_lossy_link_the_probe_rejects_makes_the_run_no_go(tmp_path: Path) -> N
     (link,) = [c for c in data["criteria"] if c["name"] == "link_verdict"]
     assert link["result"] == "fail" and not link["advisory"] and "loss fail" in link["note"]
     judged = [c for c in data["criteria"] if c["result"] != "not_measured"]
-    assert [c["name"] for c in judged if c["result"] == "fail"] == ["link_verdict"]
+    failed = sorted(c["name"] for c in judged if c["result"] == "fail")
+    assert failed == ["link_verdict", "plaintext_on_link_max"], failed
+    summary = data["steps"][0]["summary"]
+    assert summary["plaintext_captures"] > 0 and summary["wire_captures"] >= 100, summary
+    assert "PLAINTEXT across sites" in output
     assert _namespaces() == []

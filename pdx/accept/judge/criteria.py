@@ -91,6 +91,9 @@ _CRITERIA: dict[str, _Spec] = {
         unknown="replay_errors",
     ),
     "overdue_requests_max": _rate("overdue_rate", "max", "overdue", "overdue_judged"),
+    "plaintext_on_link_max": _rate(
+        "plaintext_rate", "max", "plaintext_captures", "wire_captures", "captured packets"
+    ),
     "kv_stranded_max_s": _Spec(
         "kv_stranded_max_s", "max", "s", "observed", n="kv_objects", unit_of_sample="KV objects"
     ),
@@ -109,7 +112,7 @@ _CRITERIA: dict[str, _Spec] = {
 # Read from the servers' own records; where those are missing the gate is not_measured.
 GATES = frozenset(
     {"silent_fallback_max", "output_mismatch_max", "kv_stranded_max_s", "overdue_requests_max",
-     "idle_ttft_ratio_max"}
+     "idle_ttft_ratio_max", "plaintext_on_link_max"}
 )  # fmt: skip
 # Judged once every step has run (the link probe is judged against the load the run reached).
 LINK_VERDICT = "link_verdict"

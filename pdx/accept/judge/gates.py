@@ -409,6 +409,59 @@ class GateContext:
     metrics_url: str | None = None
     # pdx's own pair: the cap on KV across the link (kv.max_link_gbps / max_link_share), Gbit/s
     kv_link_cap_gbps: float | None = None
+    # target.netns with plaintext_on_link_max: the canary capture between the sites
+    wire: Any = None  # pdx.accept.target.wire.WireCheck
+
+
+def gate_context(
+    pb: Any, playbook_dir: Path, url: str, preflight: dict[str, Any] | None,
+    audit_dirs: list[Path], topology: Any = None,
+) -> GateContext:  # fmt: skip
+    """Deadlines and bounds of the gates, from the deploy config and the probed RTT; with a
+    namespace ``topology`` and ``plaintext_on_link_max`` set, the canary capture too."""
+    from pdx.accept.preflight.kv import deploy_config, transfer_deadline_s
+
+    summary = ((preflight or {}).get("probe_link") or {}).get("summary") or {}
+    rtt_s = float(summary.get("rtt_p99_ms") or 0.0) / 1e3
+    deadline, bound, cap = pb.judgement.request_deadline_s, None, None
+    metrics_url: str | None = None
+    if pb.target.deploy is not None:
+        cfg = deploy_config(pb.target, playbook_dir)
+        deadline = deadline or cfg.gateway.request_timeout_s
+        if cfg.engine == "pdx":
+            bound = transfer_deadline_s(cfg.kv.kv_transfer_timeout_ms, summary, preflight)
+            cap = cfg.kv.link_cap_gbps
+            bound += 2 * rtt_s
+        else:  # vLLM's prefill frees KV nobody pulled when its lease runs out
+            bound = cfg.vllm.kv_lease_s + 2 * rtt_s + 1.0
+            metrics_url = url + pb.target.metrics_path
+    elif pb.target.records_dirs:  # its kv_transfer_timeout_ms is not known here: derived
+        bound = transfer_deadline_s(None, summary, preflight) + 2 * rtt_s
+    wire = None
+    if topology is not None and pb.criteria.plaintext_on_link_max is not None:
+        from pdx.accept.target.wire import WireCheck
+
+        wire = WireCheck(str(topology.cfg.router), token_id_max=pb.load.token_id_max,
+                         seed=pb.seed, extra_body=dict(pb.target.extra_body),
+                         model=pb.target.model, timeout_s=pb.load.timeout_s)  # fmt: skip
+    return GateContext(
+        url=url,
+        audit_dirs=audit_dirs,
+        deadline_s=deadline or pb.load.timeout_s,
+        rtt_s=rtt_s,
+        stranded_bound_s=bound,
+        extra_body=dict(pb.target.extra_body),
+        model=pb.target.model,
+        timeout_s=pb.load.timeout_s,
+        replay_requests=pb.judgement.replay_requests,
+        replay_tie_logprob=pb.judgement.replay_tie_logprob,
+        replay_concurrency=pb.judgement.replay_concurrency,
+        idle_burst_s=pb.judgement.idle_burst_s,
+        seed=pb.seed,
+        metrics_url=metrics_url,
+        kv_link_cap_gbps=cap,
+        wire=wire,
+    )
 
 
 @dataclass
@@ -421,11 +474,19 @@ class StepGates:
 
 
 async def collect(
-    ctx: GateContext, rows: list[dict[str, Any]], t0_s: float, idle_s: float, step_index: int
-) -> StepGates:
-    """Every gate's facts for one step (replaying its sample on the local route)."""
+    ctx: GateContext, rows: list[dict[str, Any]], t0_s: float, idle_s: float, step_index: int,
+    input_tokens: int = 0,
+) -> StepGates:  # fmt: skip
+    """Every gate's facts for one step (replaying its sample on the local route; with a wire
+    check, capturing the link while canary prompts of ``input_tokens`` cross it)."""
     facts: dict[str, Any] = {}
     missing: list[str] = []
+    if ctx.wire is not None:  # first: the step's conditions are still on the link
+        facts.update(await ctx.wire.check(ctx.url, input_tokens))
+        if not facts.get("wire_captures"):
+            missing.append(f"plaintext_on_link_max: {facts.get('wire_error') or 'no packet'}")
+    else:
+        missing.append("plaintext_on_link_max: no capture (needs target.netns)")
     fallback = silent_fallback(rows)
     if _engine_rows(rows):
         # vLLM's route label is the gateway's own: "disaggregated" once decode, given the KV
