@@ -257,8 +257,9 @@ def simulate_cmd(
     offload_policy: str | None = typer.Option(
         None,
         "--offload-policy",
-        help="length (whole prompt decides and ships) or uncached (the part decode's cache "
-        "lacks decides and ships); unset: length decides, only what decode lacks ships.",
+        help="length (whole prompt decides and ships), uncached (the part decode's cache "
+        "lacks decides and ships) or break_even (that part goes where its KV is ready sooner); "
+        "unset: length decides, only what decode lacks ships.",
     ),
     max_decode_batch: int | None = typer.Option(None, help="Requests per decode batch."),
     decode_kv_budget_bytes: float | None = typer.Option(None, help="KV bytes per decode instance."),

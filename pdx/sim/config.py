@@ -133,12 +133,14 @@ class SimConfig(BaseModel):
     local_prefill_max_tokens: int = Field(
         0, ge=0, description="disaggregated: prompts up to this many tokens prefill on decode"
     )
-    offload_policy: Literal["length", "uncached"] | None = Field(
+    offload_policy: Literal["length", "uncached", "break_even"] | None = Field(
         None,
         description="disaggregated, with prefix caches: length = local when the prompt has at "
         "most local_prefill_max_tokens, its whole KV shipped (pdx's length policy); uncached = "
         "the same rule on the part the least-loaded decode's cache lacks, only that shipped "
-        "(pdx's uncached policy); unset: the prompt's length decides and only what decode lacks "
+        "(pdx's uncached policy); break_even = local when decode would have that part's KV "
+        "sooner than the remote path (prefill queue, prefill, round trip, transfer at the "
+        "modelled rates); unset: the prompt's length decides and only what decode lacks "
         "crosses (a length router before vLLM's NIXL pull)",
     )
     max_decode_batch: int | None = Field(None, gt=0, description="requests per decode batch")

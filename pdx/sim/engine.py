@@ -236,9 +236,13 @@ class Engine:
     def _arrival(self, rid: int, t: float) -> None:
         tr = self.tr
         prompt = measured = tr.prompt_tokens[rid]
-        if self.policy == "uncached" and self.mode == "disaggregated":  # what decode would lack
+        if self.policy in ("uncached", "break_even") and self.mode == "disaggregated":
+            # what decode would lack
             measured -= self.caches.hit(self.caches.decode, self._least_loaded().idx, rid, prompt)
-        if self.mode == "colocated" or measured <= self.local_max:
+        local = measured <= self.local_max
+        if self.policy == "break_even" and self.mode == "disaggregated":
+            local = self._local_pays(rid, measured, t)
+        if self.mode == "colocated" or local:
             inst = self._least_loaded()
             self.load[inst.idx] += 1
             if self.mode == "disaggregated":
@@ -261,6 +265,17 @@ class Engine:
         if self.published:  # the published model: the request enters the batch on arrival
             inst.waiting.append(rid)
             self._interrupt(inst, t)
+
+    def _local_pays(self, rid: int, uncached: int, t: float) -> bool:
+        """break_even: the least-loaded decode prefills the uncached part sooner than the
+        prefill pool's queue, its prefill, the round trip and the transfer would have it ready
+        (the rates are the simulator's own: what the gateway's live averages converge to)."""
+        work = self._prefill_s(rid, uncached)
+        local = max(0.0, self._least_loaded().prefill_free_at - t) + work
+        remote = (max(0.0, self.pool_free[0][0] - t - self.half_rtt_s) + work
+                  + 2 * self.half_rtt_s + self.link.expected_s(uncached)
+                  + max(0.0, self.link_free_at - t))  # fmt: skip
+        return local <= remote
 
     def _cached(self, caches: list, idx: int, rid: int) -> int:  # type: ignore[type-arg]
         """The prefix of ``rid`` instance ``idx``'s cache holds (recorded); then it holds all."""

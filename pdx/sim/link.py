@@ -64,6 +64,17 @@ class LinkModel:
             wire, busy, extra, raw * self.encode_s_per_byte, raw * self.decode_s_per_byte
         )
 
+    def expected_s(self, prompt_tokens: int) -> float:
+        """A transfer's time without its random part (what a rate learnt over many transfers
+        predicts): encode, the bytes at the link's rate, the round trips, decode."""
+        raw = prompt_tokens * self.kv_bytes_per_token
+        busy = raw * self.ratio / self.bw
+        return (
+            raw * (self.encode_s_per_byte + self.decode_s_per_byte)
+            + busy
+            + (self.rtt_s * self.round_trips + self.fixed_s)
+        )
+
     def _random_delay(self, wire: float, busy: float) -> float:
         delay = float(self.rng.exponential(self.jitter_s)) if self.jitter_s > 0 else 0.0
         if self.loss > 0 and self.rtt_s > 0 and self.pipelined:

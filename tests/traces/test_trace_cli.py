@@ -58,3 +58,34 @@ def test_simulate_a_trace_with_prefix_caches(tmp_path: Path) -> None:
     # one decode instance holding everything too: only the uncached share crosses the link
     assert hot["kv_shipped_bytes"] == pytest.approx(cold["kv_shipped_bytes"] * (1 - known))
     assert hot["ttft_p50_s"] < cold["ttft_p50_s"]  # less to prefill
+
+
+def test_simulated_offload_policies_ship_what_each_decides_on(tmp_path: Path) -> None:
+    """length ships whole prompts, uncached only what decode lacks; break_even keeps the
+    prefill where the KV is ready sooner: on a link too slow for any KV to pay, nothing ships."""
+    out = tmp_path / "chat.jsonl"
+    made = CliRunner().invoke(app, ["trace", "make", str(out), "--sessions", "20", "--json"])
+    known = json.loads(made.stdout)["known_ideal_hit_ratio"]
+    args = ["simulate", "--workload", str(out), "--format", "mooncake", "--mode",
+            "disaggregated", "--model-preset", "llama-3.1-8b", "--prefix-cache-blocks",
+            "100000", "--local-prefill-max-tokens", "0", "--json"]  # fmt: skip
+
+    def run(*extra: str) -> dict:
+        result = CliRunner().invoke(app, [*args, *extra])
+        assert result.exit_code == 0, result.output
+        return dict(json.loads(result.stdout)["disaggregated"])
+
+    length, uncached = run("--offload-policy", "length"), run("--offload-policy", "uncached")
+    assert uncached["kv_shipped_bytes"] == pytest.approx(length["kv_shipped_bytes"] * (1 - known))
+    slow = ["--link-bytes-per-s", "1e6", "--link-rtt-s", "0.2"]  # 8 Mbit/s, RTT 200 ms
+    assert run("--offload-policy", "break_even", *slow)["kv_shipped_bytes"] == 0
+    assert (
+        run("--offload-policy", "length", *slow)["kv_shipped_bytes"] == length["kv_shipped_bytes"]
+    )
+    # the same trace 100x faster on a 100 Gbit/s link: decode's own queue grows, and part of
+    # the prefill goes remote
+    rushed = ["--time-scale", "0.01", "--link-bytes-per-s", "1.25e10"]
+    assert run("--offload-policy", "break_even", *rushed)["kv_shipped_bytes"] > 0
+    assert run("--offload-policy", "break_even")["kv_shipped_bytes"] == 0  # no queue: all local
+    bad = CliRunner().invoke(app, [*args, "--offload-policy", "sometimes"])
+    assert bad.exit_code == 2 and "offload_policy" in bad.stderr

@@ -130,7 +130,7 @@ def _bytes_predictor(
     under that policy (on vLLM, ``length`` ships only what decode lacks), with prefix caches
     that never evict (the deploy's hold the window), KV per token from the pre-flight's
     measure-kv (else the deployed model sized analytically);
-    None where it cannot say (no trace, a target pdx did not deploy, break_even)."""
+    None where it cannot say (no trace, a target pdx did not deploy)."""
     kv = ((preflight or {}).get("measure_kv") or {}).get("result") or {}
     per_token = float(kv.get("kv_bytes_per_token") or 0.0)
     local_max, engine = None, "pdx"
@@ -145,7 +145,7 @@ def _bytes_predictor(
         engine = deployed.engine
 
     def predict(step: Step, policy: str, runs: int) -> float | None:
-        if step.workload is None or local_max is None or policy not in ("length", "uncached"):
+        if step.workload is None or local_max is None:
             return None
         from pdx.sim.config import load_sim_config
         from pdx.sim.runner import simulate

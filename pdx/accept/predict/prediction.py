@@ -56,8 +56,8 @@ class DeployFacts:
     # blocks of prefix cache per instance the engine keeps (its KV cache, or pdx decode's KV
     # budget, over block size × bytes per token), for trace steps
     prefix_cache_blocks: int | None = None
-    # pdx's router.offload.policy as the simulator models it (length, uncached; None: a length
-    # rule before vLLM's pull of what decode lacks; break_even is taken as that too)
+    # pdx's router.offload.policy as the simulator models it (length, uncached, break_even;
+    # None: a length rule before vLLM's pull of what decode lacks)
     offload_policy: str | None = None
 
 
@@ -73,7 +73,7 @@ def deploy_facts(pb: Playbook, playbook_dir: Path) -> DeployFacts:
     elif cfg.engine == "pdx" and cfg.prefix_cache.enabled:
         blocks = _cache_blocks(pb, playbook_dir, cfg.prefix_cache.block_tokens,
                                cfg.decode.kv_budget_bytes)  # fmt: skip
-        policy = cfg.router.offload.policy if cfg.router.offload.policy != "break_even" else None
+        policy = cfg.router.offload.policy
     return DeployFacts(
         prefill_instances=max(1, cfg.prefill.count),
         decode_instances=cfg.decode.count,
