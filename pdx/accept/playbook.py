@@ -475,6 +475,17 @@ def _finite(x: float) -> bool:
     return x == x and abs(x) != float("inf")
 
 
+class PlaybookSecurity(BaseModel):
+    """``security:`` of a playbook, passed to the deploy it starts."""
+
+    model_config = _Strict
+    allow_plaintext: bool = Field(
+        default=False,
+        description="the deploy's security.allow_plaintext: the sites may talk unencrypted "
+        "(engine: vllm, or tls.enabled: false); the headline then says PLAINTEXT",
+    )
+
+
 class Playbook(BaseModel):
     """One acceptance run."""
 
@@ -497,6 +508,7 @@ class Playbook(BaseModel):
         "every request prefilled where it decodes (pdx_route: local); the report puts the "
         "split beside it (advisory: the baseline never decides the verdict)",
     )
+    security: PlaybookSecurity = Field(default_factory=lambda: PlaybookSecurity())
     seed: int = 0
     smoke_scale: bool = Field(
         default=False,
@@ -519,6 +531,17 @@ class Playbook(BaseModel):
                         "load": {**load, "workloads": {**(load.get("workloads") or {}),
                                                        "trace": load["workload"]}}}  # fmt: skip
         return data
+
+    @model_validator(mode="after")
+    def _security_reaches_the_deploy(self) -> Playbook:
+        item = "security.allow_plaintext=true"
+        if (
+            self.security.allow_plaintext
+            and self.target.deploy
+            and item not in self.target.deploy_set
+        ):
+            self.target.deploy_set = [*self.target.deploy_set, item]
+        return self
 
     @model_validator(mode="after")
     def _conditions_exist(self) -> Playbook:

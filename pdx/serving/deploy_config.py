@@ -19,6 +19,7 @@ from pdx.errors import PdxError
 from pdx.serving.backends.base import BackendConfig
 from pdx.serving.k8s_config import K8sConfig
 from pdx.serving.offload_config import OffloadConfig, PrefixCacheConfig
+from pdx.serving.security_config import SecurityConfig, plaintext_refusal
 from pdx.tls import TLSSettings
 from pdx.transfer.contract import (
     DEFAULT_CHUNK_KB,
@@ -465,6 +466,13 @@ class DeployConfig(BaseModel):
         default_factory=lambda: SupervisorConfig.model_validate({})
     )
     k8s: K8sConfig = Field(default_factory=lambda: K8sConfig.model_validate({}))
+    security: SecurityConfig = Field(default_factory=lambda: SecurityConfig.model_validate({}))
+
+    @model_validator(mode="after")
+    def _no_plaintext_across_sites_unless_allowed(self) -> DeployConfig:
+        if (why := plaintext_refusal(self)) is not None:
+            raise ValueError(why)
+        return self
 
     @model_validator(mode="after")
     def _netns_needs_reachable_certs(self) -> DeployConfig:

@@ -284,6 +284,12 @@ def _vllm_plan(cfg: DeployConfig) -> _VLLMPlan:
             "vllm.prefill_urls", v.prefill_urls or v.decode_urls,
             "empty with --render k8s (the manifests start the instances; the gateway fronts them)",
         )  # fmt: skip
+    if not cfg.security.allow_plaintext:
+        raise InputError(
+            "security.allow_plaintext", False, "true to render engine: vllm: prefill and decode "
+            "run in two site namespaces and pdx does not encrypt vLLM's HTTP and NIXL traffic "
+            "between them (a service mesh with mutual TLS, or a tunnel, is yours to add)",
+        )  # fmt: skip
     device = _vllm_device(v.device)
     model = _vllm_model(cfg, device)
     prefills = [f"pdx-vllm-prefill-{i}" for i in range(cfg.prefill.count)]

@@ -130,6 +130,7 @@ def test_a_lossy_link_the_probe_rejects_makes_the_run_no_go(tmp_path: Path) -> N
             "preflight.probe_each_step=true",
             "judgement.replay_requests=0",
             "target.deploy_set=[router.local_prefill_max_tokens=8,tls.enabled=false]",
+            "security.allow_plaintext=true",  # the playbook's security: reaches the deploy
             *(f"criteria.{name}=null" for name in unjudged),
         ],
     )

@@ -65,15 +65,36 @@ def test_parametrised_codec_names_are_accepted() -> None:
 
 
 def test_loopback_proxy_with_decode_in_another_namespace_is_refused() -> None:
-    sets = ["kv.via_proxy=true", "decode.netns=pdx-decode", "tls.enabled=false"]
+    sets = ["kv.via_proxy=true", "decode.netns=pdx-decode", "tls.enabled=false",
+            "security.allow_plaintext=true"]  # fmt: skip
     result = runner.invoke(app, ["deploy", *[a for s in sets for a in ("--set", s)]])
     assert result.exit_code == 2, result.output
     assert "kv.proxy_host: 127.0.0.1 is loopback" in result.output
     assert "Traceback" not in result.output
     # Run in the decode namespace (decode.netns unset), loopback is the decode side: accepted.
     cfg = load_deploy_config(dotted=["kv.via_proxy=true", "prefill.netns=pdx-prefill",
-                                     "prefill.host=10.77.1.1", "tls.enabled=false"])  # fmt: skip
+                                     "prefill.host=10.77.1.1", "tls.enabled=false",
+                                     "security.allow_plaintext=true"])  # fmt: skip
     assert cfg.kv.proxy_host == "127.0.0.1" and cfg.kv.proxy_control_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("sets", "needle"),
+    [
+        (["prefill.netns=a", "prefill.host=10.77.1.1", "tls.enabled=false"],
+         "prefill.netns 'a' and decode.netns None differ) and tls.enabled: false"),
+        (["prefill.host=192.0.2.7", "tls.enabled=false"], "prefill.host is 192.0.2.7"),
+        (["engine=vllm", "vllm.prefill_urls=[http://192.0.2.7:8000]",
+          "vllm.decode_urls=[http://127.0.0.1:9]"], "engine: vllm sends the prefill call"),
+    ],
+)  # fmt: skip
+def test_plaintext_between_sites_needs_allow_plaintext(sets: list[str], needle: str) -> None:
+    result = runner.invoke(app, ["deploy", *[a for s in sets for a in ("--set", s)]])
+    assert result.exit_code == 2 and needle in result.output, result.output
+    assert "set security.allow_plaintext: true to run it anyway" in result.output
+    load_deploy_config(dotted=[*sets, "security.allow_plaintext=true"])  # asked for: accepted
+    if "tls.enabled=false" in sets and not any(s.startswith("prefill.netns") for s in sets):
+        load_deploy_config(dotted=[s for s in sets if s != "tls.enabled=false"])  # TLS on: fine
 
 
 def test_print_config_round_trips(tmp_path: Path) -> None:
@@ -251,7 +272,8 @@ async def deploy_in_decode_namespace(
     net = make_config(prefix=prefix, rate_mbit=1000)
     await asyncio.to_thread(up, net)
     in_decode = ["ip", "netns", "exec", net.decode, sys.executable]
-    base = [f"prefill.netns={net.prefill}", "prefill.host=10.77.1.1", "tls.enabled=false"]
+    base = [f"prefill.netns={net.prefill}", "prefill.host=10.77.1.1", "tls.enabled=false",
+            "security.allow_plaintext=true"]  # fmt: skip
     set_args = [a for item in [*base, *sets] for a in ("--set", item)]
     cmd = [*in_decode, "-c", "from pdx.cli.main import main; main()", "deploy", "--port", "0",
            "--json", *set_args]  # fmt: skip
