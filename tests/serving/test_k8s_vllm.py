@@ -19,11 +19,13 @@ from pdx.serving.deploy_config import DeployConfig, load_deploy_config
 from pdx.serving.k8s import EXPORT_TINY
 
 A, B = "pdx-site-a", "pdx-site-b"
+# vLLM's traffic between the site namespaces is not encrypted: every render says it is meant
+VLLM = ["engine=vllm", "security.allow_plaintext=true"]
 UCX = list(range(20000, 20016))
 
 
 def sites_for(tmp_path_factory: pytest.TempPathFactory, *sets: str) -> dict[str, Docs]:
-    return render(tmp_path_factory.mktemp("k8s-vllm"), ["engine=vllm", "security.allow_plaintext=true", *sets])
+    return render(tmp_path_factory.mktemp("k8s-vllm"), [*VLLM, *sets])
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +191,7 @@ def test_gateway_fronts_the_vllm_services_by_dns_name(two_by_two: dict[str, Docs
 
 
 def test_files_name_the_ports_and_embed_the_gateway_config(tmp_path: Path) -> None:
-    render(tmp_path, ["engine=vllm", "security.allow_plaintext=true", "k8s.ucx_first_port=30000", "k8s.ucx_ports=8"])
+    render(tmp_path, [*VLLM, "k8s.ucx_first_port=30000", "k8s.ucx_ports=8"])
     for name in ("site-a.yaml", "site-b.yaml"):
         head = (tmp_path / name).read_text().split("apiVersion", 1)[0]
         assert "5600/tcp" in head and "30000-30007/tcp" in head and "8000/tcp" in head
@@ -201,7 +203,7 @@ def test_files_name_the_ports_and_embed_the_gateway_config(tmp_path: Path) -> No
 
 
 def test_checkpoint_on_a_claim_is_mounted_where_vllm_model_names_it(tmp_path: Path) -> None:
-    sites = render(tmp_path / "out", ["engine=vllm", "security.allow_plaintext=true", "vllm.model=/ckpt/llama-8b",
+    sites = render(tmp_path / "out", [*VLLM, "vllm.model=/ckpt/llama-8b",
                                       "k8s.vllm_model_claim=llama-weights"])  # fmt: skip
     validate_strict(sites)
     docs = [*sites["site-a.yaml"], *sites["site-b.yaml"]]
@@ -227,7 +229,7 @@ def test_a_local_checkpoint_sets_the_context_length_pdx_would(tmp_path: Path) ->
         "architectures": ["LlamaForCausalLM"], "hidden_size": 256, "num_attention_heads": 4,
         "num_key_value_heads": 2, "num_hidden_layers": 2, "max_position_embeddings": 4096,
         "vocab_size": 1000}))  # fmt: skip
-    sites = render(tmp_path / "out", ["engine=vllm", "security.allow_plaintext=true", f"vllm.model={ckpt}"])
+    sites = render(tmp_path / "out", [*VLLM, f"vllm.model={ckpt}"])
     for deployment in instances(sites):
         assert flag(container(deployment)["args"], "--max-model-len") == "4096"
 
