@@ -193,8 +193,9 @@ def test_under_netns_the_proxy_gets_only_cuts() -> None:
 
 def test_netns_deploy_puts_the_proxy_control_on_the_host_link() -> None:
     topo = Topology(NetnsTarget(enabled=True, prefix="pdxunit"))
-    assert not any(i.startswith("kv.") for i in topo.deploy_overrides())
-    items = topo.deploy_overrides(via_proxy=True)
+    assert not any(i.startswith("kv.") for i in topo.deploy_overrides(tls=False))
+    items = topo.deploy_overrides(via_proxy=True, tls=False)
+    assert not any(i.startswith("tls.") for i in items)  # the deploy's own TLS settings stand
     # the site end of the first /30 of 10.77.3.0/24 free on this host (10.77.3.2 unless a
     # namespace run beside this one holds that link)
     site = topo.site_addr
