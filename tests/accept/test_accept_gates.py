@@ -340,3 +340,7 @@ def test_a_namespace_run_says_what_protects_the_traffic_between_its_sites(tmp_pa
     report.target["netns"]["across_sites"] = TLS_ACROSS
     assert "PLAINTEXT" not in headline(report)
     assert target_line(report).endswith("across sites: mutual TLS 1.3")
+    # a run with no capture (no target.netns) says why the gate has no sample, and only there
+    from pdx.accept.judge.criteria import not_measured_note
+
+    assert "needs target.netns" in not_measured_note("plaintext_on_link_max", {})

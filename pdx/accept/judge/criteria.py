@@ -467,6 +467,7 @@ _NOT_MEASURED = {
     "silent_fallback": "no request labelled disaggregated in this step",
     "output_mismatch": "no replayed request in this step (judgement.replay_requests)",
     "overdue": "no request in this step",
+    "plaintext_on_link": "no capture of the link between the sites (needs target.netns)",
     "idle_ttft": "no idle burst in this step",
 }
 

@@ -485,8 +485,6 @@ async def collect(
         facts.update(await ctx.wire.check(ctx.url, input_tokens))
         if not facts.get("wire_captures"):
             missing.append(f"plaintext_on_link_max: {facts.get('wire_error') or 'no packet'}")
-    else:
-        missing.append("plaintext_on_link_max: no capture (needs target.netns)")
     fallback = silent_fallback(rows)
     if _engine_rows(rows):
         # vLLM's route label is the gateway's own: "disaggregated" once decode, given the KV
